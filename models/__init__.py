@@ -1,0 +1,52 @@
+"""Model families, as a plain-dict registry keyed by the HF `model_type`.
+
+A family bundles what the trainer, the engine and parallel/ need to handle one architecture:
+its args dataclass (with `from_hf_config` / `to_hf_config`), the model class (constructed as
+`model_cls(args)`, on the meta device), named flavors, the HF state-dict adapter class
+(constructed as `state_dict_adapter(args)`, with `to_hf` / `from_hf`), and the parallel plan.
+Adding a family = one file in models/ plus one entry in `MODEL_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshrl.models import qwen3
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    args_cls: type
+    model_cls: type
+    flavors: dict[str, Any]
+    state_dict_adapter: type
+    parallel_plan: dict[str, Any]
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "qwen3": ModelFamily(
+        name="qwen3",
+        args_cls=qwen3.Qwen3Args,
+        model_cls=qwen3.Qwen3,
+        flavors=qwen3.FLAVORS,
+        state_dict_adapter=qwen3.Qwen3StateDictAdapter,
+        parallel_plan=qwen3.PARALLEL_PLAN,
+    ),
+}
+
+
+def get_family(model_type: str) -> ModelFamily:
+    """The family registered under an HF `model_type` (e.g. "qwen3")."""
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"unknown model_type {model_type!r}; known types: {sorted(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[model_type]
+
+
+def family_of_args(args: object) -> ModelFamily:
+    """The family whose args dataclass `args` is an instance of."""
+    for family in MODEL_FAMILIES.values():
+        if isinstance(args, family.args_cls):
+            return family
+    raise ValueError(f"no model family uses args of type {type(args).__name__}; known: {sorted(MODEL_FAMILIES)}")

@@ -1,0 +1,1 @@
+"""Building blocks shared by model families: the attention contract, RoPE, norms."""

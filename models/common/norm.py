@@ -1,0 +1,33 @@
+"""RMSNorm with the numerics of HF's Qwen3RMSNorm / LlamaRMSNorm.
+
+The statistic is computed in fp32 whatever the activation dtype (bf16 squares lose too much),
+the normalised activations are cast back to the input dtype, and only then multiplied by the
+weight. Keeping this exact order is what lets our logits match transformers to ~1e-6 in fp32
+and bit-for-bit in the common bf16 cases.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), statistic in fp32, over the last dim."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        input_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

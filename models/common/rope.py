@@ -1,0 +1,69 @@
+"""Rotary position embedding from explicit per-token positions.
+
+Positions are passed in, never derived from the sequence index, because packed rows hold
+several documents and each one restarts at position 0 (and the inference engine decodes at
+arbitrary offsets). The numerics follow HF Qwen3 / Llama ("default" rope type) exactly:
+
+    inv_freq = 1 / theta ** (arange(0, D, 2).float() / D)      # fp32, computed on the CPU
+    freqs    = positions.float()[..., None] * inv_freq          # fp32
+    cos, sin = cos(cat(freqs, freqs)), sin(cat(freqs, freqs))   # then cast to the activation dtype
+    x'       = x * cos + rotate_half(x) * sin                   # in the activation dtype
+
+`inv_freq` is deliberately *not* a buffer: a buffer would be garbage after `to_empty()` on a
+meta-built model, would be cast to bf16 by `model.to(torch.bfloat16)`, and would need special
+handling in every state-dict path. Instead it is computed on the CPU (the same kernel HF uses, so
+the values are bit-identical) and cached per device on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """Inverse frequencies (head_dim // 2,) in fp32 on the CPU, exactly as HF computes them."""
+    assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim (the HF/NeoX layout)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) with cos, sin (B, T, D)."""
+    cos = cos.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+    sin = sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps positions (B, T) to (cos, sin), each (B, T, head_dim), in the requested dtype.
+
+    Holds no parameters or buffers, so it is safe on the meta device, under `to_empty()`,
+    dtype casts and FSDP; `inv_freq` is cached per device outside the state dict.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._inv_freq: dict[torch.device, Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        """(head_dim // 2,) fp32 on `device`; computed on the CPU once, then copied."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.head_dim, self.theta).to(device)
+        return self._inv_freq[device]
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions: (B, T) int64 -> cos, sin: (B, T, head_dim) in `dtype`
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)  # (B, T, D/2) fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"

@@ -1,0 +1,202 @@
+"""Hugging Face folder I/O: the one on-disk model format of meshrl.
+
+A folder written by `save_hf_model` loads with `transformers.AutoModelForCausalLM.from_pretrained`
+(offline), and `load_hf_model` reads HF checkpoints (single-file or sharded safetensors) into our
+model classes. Keys are renamed by the family's state-dict adapter; values are only cast/copied.
+
+Loading copies tensor by tensor from the safetensors files into a model that was built on the
+meta device and materialised with `to_empty`, so peak host memory is one tensor, not one model.
+Saving goes through `<path>.tmp` and `os.replace`, so a crash never leaves a half-written folder
+at `path`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from meshrl.models import family_of_args, get_family
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Everything a tokenizer folder may hold that AutoTokenizer reads.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed config.json of an HF model folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model folder {str(folder)!r} does not exist or is not a directory")
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no {CONFIG_FILE}")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index_file = folder / WEIGHTS_INDEX_FILE
+    if index_file.is_file():
+        with open(index_file) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [folder / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{index_file} names {file.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    return files
+
+
+@torch.no_grad()
+def load_hf_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Any]:
+    """Build the model an HF folder describes and load its weights. Returns (model, args).
+
+    Every parameter ends up on `device` in `dtype` (checkpoint tensors are cast on copy).
+    Missing, unexpected or mis-shaped weights raise ValueError naming the key.
+    """
+    folder = Path(path)
+    config = read_hf_config(folder)
+    family = get_family(config.get("model_type"))
+    args = family.args_cls.from_hf_config(config)
+    adapter = family.state_dict_adapter(args)
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    model = model.to(dtype=dtype).to_empty(device=device)
+
+    # state_dict() tensors share storage with the parameters: copying into them loads the model.
+    targets = model.state_dict()
+    loaded: set[str] = set()
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_key in f.keys():
+                for key, tensor in adapter.from_hf({hf_key: f.get_tensor(hf_key)}).items():
+                    if key not in targets:
+                        raise ValueError(f"{file.name}: weight {hf_key!r} has no place in the model")
+                    if tensor.shape != targets[key].shape:
+                        raise ValueError(f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(targets[key].shape)}")
+                    targets[key].copy_(tensor)
+                    loaded.add(key)
+    missing = sorted(targets.keys() - loaded)
+    if missing:
+        raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing}")
+    return model, args
+
+
+def _cpu_state_dict(model_or_state_dict: nn.Module | dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    if isinstance(model_or_state_dict, nn.Module):
+        state_dict = model_or_state_dict.state_dict()
+    else:
+        state_dict = model_or_state_dict
+    out = {}
+    for key, value in state_dict.items():
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(value, DTensor):
+                raise ValueError(f"{key!r} is a sharded DTensor: gather a full state dict first "
+                                 "(torch.distributed.checkpoint.state_dict.get_model_state_dict with "
+                                 "full_state_dict=True) and save that")
+        value = value.detach().to("cpu")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        out[key] = value.contiguous()  # safetensors stores contiguous tensors only
+    return out
+
+
+def _write_folder(
+    folder: Path,
+    hf_state_dict: dict[str, Tensor],
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    tokenizer_dir: Path | None,
+) -> None:
+    folder.mkdir(parents=True)
+    # "format": "pt" is the metadata transformers expects in a PyTorch safetensors file.
+    save_file(hf_state_dict, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(folder / CONFIG_FILE, "w") as f:
+        json.dump(config, f, indent=2)
+    with open(folder / GENERATION_CONFIG_FILE, "w") as f:
+        json.dump(generation_config, f, indent=2)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, folder / name)
+
+
+def save_hf_model(
+    model_or_state_dict: nn.Module | dict[str, Tensor],
+    args: Any,
+    path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> None:
+    """Write an HF model folder: config.json, model.safetensors, generation_config.json, tokenizer.
+
+    `model_or_state_dict` is a model or a state dict in *our* key layout with full (unsharded)
+    tensors on any device. `dtype` casts floating tensors (default: keep their dtype); the
+    config records the saved dtype. A tied LM head is stored once (as the embedding).
+    Tokenizer files found in `tokenizer_dir` are copied alongside. An existing folder at `path`
+    is replaced only once the new one is complete.
+    """
+    family = family_of_args(args)
+    state_dict = _cpu_state_dict(model_or_state_dict, dtype)
+    hf_state_dict = family.state_dict_adapter(args).to_hf(state_dict)
+    float_dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
+    if len(float_dtypes) > 1:
+        raise ValueError(f"state dict mixes dtypes {sorted(map(str, float_dtypes))}; pass dtype= to save one")
+    saved_dtype = float_dtypes.pop() if float_dtypes else torch.float32
+    token_ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    config = args.to_hf_config(dtype=saved_dtype, **token_ids)
+    generation_config = {k: v for k, v in token_ids.items() if v is not None}
+
+    tok_dir = None
+    if tokenizer_dir is not None:
+        tok_dir = Path(tokenizer_dir)
+        if not tok_dir.is_dir() or not any((tok_dir / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer_dir {str(tok_dir)!r} holds none of {list(TOKENIZER_FILES)}")
+
+    folder = Path(path)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left over from an earlier crash
+    _write_folder(tmp, hf_state_dict, config, generation_config, tok_dir)
+    if folder.exists():
+        # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first.
+        old = folder.with_name(folder.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)

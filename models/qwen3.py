@@ -1,0 +1,375 @@
+"""Qwen3 dense decoder (0.6B to 8B), written against the `AttentionContext` contract.
+
+One file holds everything a family needs:
+
+- `Qwen3Args` and its conversion to and from an HF `config.json` dict;
+- `FLAVORS`: a tiny "debug" model for tests and the real Qwen3 shapes;
+- the modules (`Attention`, `FeedForward`, `TransformerBlock`, `Qwen3`);
+- `PARALLEL_PLAN`: which submodules are FSDP units / how TP would split them, as data;
+- `Qwen3StateDictAdapter`: the explicit key map between our names and HF's.
+
+Our parameter names (torchtitan style) and their HF counterparts:
+
+    tok_embeddings.weight                   model.embed_tokens.weight
+    layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.wq.weight          model.layers.{i}.self_attn.q_proj.weight
+    layers.{i}.attention.wk.weight          model.layers.{i}.self_attn.k_proj.weight
+    layers.{i}.attention.wv.weight          model.layers.{i}.self_attn.v_proj.weight
+    layers.{i}.attention.wo.weight          model.layers.{i}.self_attn.o_proj.weight
+    layers.{i}.attention.q_norm.weight      model.layers.{i}.self_attn.q_norm.weight
+    layers.{i}.attention.k_norm.weight      model.layers.{i}.self_attn.k_norm.weight
+    layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight       model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w2.weight       model.layers.{i}.mlp.down_proj.weight
+    layers.{i}.feed_forward.w3.weight       model.layers.{i}.mlp.up_proj.weight
+    norm.weight                             model.norm.weight
+    output.weight                           lm_head.weight      (absent when embeddings are tied)
+
+With tied embeddings the model has no `output` module at all: the LM head *is*
+`tok_embeddings.weight` (see `Qwen3.output_weight`), so there is one parameter, one gradient
+and one FSDP shard to keep in sync, and the state dict carries it once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshrl.models.common.attention import AttentionContext, CausalAttention
+from meshrl.models.common.norm import RMSNorm
+from meshrl.models.common.rope import RotaryEmbedding, apply_rope
+
+MODEL_TYPE = "qwen3"
+
+
+# --------------------------------------------------------------------------------------------
+# Args and flavors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    """Shape of a Qwen3 model. Field names are ours; `from_hf_config` maps HF's names."""
+
+    vocab_size: int = 128
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    hidden_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    max_seq_len: int = 40960
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> Qwen3Args:
+        """Read an HF Qwen3 `config.json` dict; features this file does not implement raise ValueError."""
+        if config.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"expected model_type {MODEL_TYPE!r}, got {config.get('model_type')!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Qwen3 hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+        if config.get("attention_bias", False):
+            raise ValueError("Qwen3 with attention_bias=true is not supported")
+        if config.get("use_sliding_window", False):
+            raise ValueError("Qwen3 with use_sliding_window=true is not supported")
+        # transformers >= 5 nests the theta in rope_parameters; 4.x keeps rope_theta + rope_scaling.
+        rope = config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" or config.get("rope_scaling"):
+            raise ValueError(f"only default RoPE is supported, got rope_parameters={rope!r} "
+                             f"rope_scaling={config.get('rope_scaling')!r}")
+        n_heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            hidden_dim=config["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            max_seq_len=config.get("max_position_embeddings", 40960),
+        )
+
+    def to_hf_config(
+        self,
+        dtype: torch.dtype | str = torch.float32,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> dict[str, Any]:
+        """An HF `config.json` dict that transformers' Qwen3ForCausalLM loads (4.5x and 5.x)."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            # Both spellings: transformers 4.x reads rope_theta, 5.x reads rope_parameters.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "use_cache": True,
+            "initializer_range": 0.02,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+            # 4.x reads torch_dtype, 5.x reads dtype.
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+
+
+_QWEN3 = Qwen3Args(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6, max_seq_len=40960)
+
+FLAVORS: dict[str, Qwen3Args] = {
+    "debug": Qwen3Args(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                       max_seq_len=2048),
+    "0.6B": replace(_QWEN3, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_embeddings=True),
+    "1.7B": replace(_QWEN3, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_embeddings=True),
+    "4B": replace(_QWEN3, dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_embeddings=True),
+    "8B": replace(_QWEN3, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, tie_embeddings=False),
+}
+
+# Sharding plan as data, consumed by parallel/. Module paths are relative to `Qwen3`; "*" matches
+# one path component. FSDP2 wraps every block, then the root (which holds the embedding, final
+# norm and untied output; a tied LM head stays in the root unit with its embedding).
+# TP follows the usual Megatron split; attention reshapes with -1 heads so it runs on the local
+# heads of a column-sharded wq/wk/wv. (TP is not exercised by tests yet.)
+PARALLEL_PLAN: dict[str, Any] = {
+    "fsdp_units": ["layers.*"],
+    "tp": {
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """GQA self-attention with per-head RMSNorm on q and k (before RoPE), no biases."""
+
+    def __init__(self, args: Qwen3Args, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        # x: (B, T, dim); cos, sin: (B, T, head_dim) -> (B, T, dim)
+        B, T, _ = x.shape
+        # -1 heads: under TP the projections are column-sharded and hold only the local heads.
+        q = self.q_norm(self.wq(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_norm(self.wk(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, k, cos, sin)
+        out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate_proj, w3 = up_proj, w2 = down_proj in HF."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)). The unit FSDP2 wraps."""
+
+    def __init__(self, args: Qwen3Args, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        # x: (B, T, dim) -> (B, T, dim)
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Qwen3(nn.Module):
+    """Qwen3 causal LM. Build on the meta device, then `to_empty()` + `init_weights()` or a load.
+
+    `forward(tokens, positions, attn)` -> logits; `hidden(...)` -> final-normed hidden states and
+    `output_weight` for callers that compute logprobs in chunks without materialising (B, T, V).
+    """
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
+        # A ModuleDict keyed "0".."n-1" keeps the HF-like key names and lets a pipeline stage
+        # delete blocks without renumbering the rest.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The LM head matrix (V, dim): `tok_embeddings.weight` when embeddings are tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None) -> Tensor:
+        """tokens, positions (B, T) int64 -> final-normed hidden states (B, T, dim).
+
+        `positions` are explicit (each packed document restarts at 0); `attn` decides the
+        attention pattern, plain causal over the row when None.
+        """
+        assert tokens.shape == positions.shape, f"tokens {tuple(tokens.shape)} vs positions {tuple(positions.shape)}"
+        attn = CausalAttention() if attn is None else attn
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = self.rope(positions, dtype=h.dtype)  # (B, T, head_dim), once for all layers
+        for block in self.layers.values():
+            h = block(h, cos, sin, attn)
+        return self.norm(h)
+
+    def forward(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None) -> Tensor:
+        """tokens, positions (B, T) int64 -> logits (B, T, vocab_size) in the parameter dtype."""
+        return F.linear(self.hidden(tokens, positions, attn), self.output_weight)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place (call after `to_empty()` when built on meta).
+
+        Scheme: embedding and all linear weights ~ N(0, 0.02), except the two residual output
+        projections of every block (attention.wo, feed_forward.w2), which use the depth-scaled
+        std 0.02 / sqrt(2 * n_layers) (GPT-2) so the residual stream's variance does not grow
+        with depth; the untied LM head ~ N(0, 0.02); all RMSNorm weights = 1. There are no biases.
+        With `seed`, a private generator on the parameters' device makes the result reproducible
+        without touching the global RNG; without it the global RNG is used.
+        """
+        device = self.tok_embeddings.weight.device
+        gen = None
+        if seed is not None and device.type != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_residual_out else std, generator=gen)
+
+
+# --------------------------------------------------------------------------------------------
+# HF state-dict adapter
+# --------------------------------------------------------------------------------------------
+
+# Per-block names; "{i}" is the layer index.
+_BLOCK_KEYS: dict[str, str] = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_TOP_KEYS: dict[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+class Qwen3StateDictAdapter:
+    """Renames state-dict keys between our layout and HF's; values pass through untouched
+    (so it works on DTensors and on gradients as well as on plain weights).
+
+    Unknown keys raise ValueError naming the key. Tied embeddings: `to_hf` writes no
+    lm_head.weight; `from_hf` drops one if present (some checkpoints store the copy).
+    """
+
+    def __init__(self, args: Qwen3Args) -> None:
+        self.args = args
+        self._to_hf_block = _BLOCK_KEYS
+        self._from_hf_block = {v: k for k, v in _BLOCK_KEYS.items()}
+        self._from_hf_top = {v: k for k, v in _TOP_KEYS.items()}
+
+    def _layer(self, index: str, key: str) -> str:
+        if int(index) >= self.args.n_layers:
+            raise ValueError(f"state-dict key {key!r} names layer {index}, but the model has {self.args.n_layers}")
+        return index
+
+    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            if key == "output.weight" and self.args.tie_embeddings:
+                raise ValueError("state dict has 'output.weight' but the model ties its embeddings")
+            if key in _TOP_KEYS:
+                out[_TOP_KEYS[key]] = value
+            elif (m := _OURS_BLOCK.fullmatch(key)) and m.group(2) in self._to_hf_block:
+                out[f"model.layers.{self._layer(m.group(1), key)}.{self._to_hf_block[m.group(2)]}"] = value
+            else:
+                raise ValueError(f"unknown Qwen3 state-dict key {key!r}")
+        return out
+
+    def from_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            if key == "lm_head.weight" and self.args.tie_embeddings:
+                continue  # the tied head is tok_embeddings.weight itself
+            if key in self._from_hf_top:
+                out[self._from_hf_top[key]] = value
+            elif (m := _HF_BLOCK.fullmatch(key)) and m.group(2) in self._from_hf_block:
+                out[f"layers.{self._layer(m.group(1), key)}.{self._from_hf_block[m.group(2)]}"] = value
+            else:
+                raise ValueError(f"unknown HF Qwen3 state-dict key {key!r}")
+        return out

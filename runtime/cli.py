@@ -1,0 +1,46 @@
+"""The `meshrl` command: `meshrl rl|sft @ cfg.toml [--dotted.key value ...]`.
+
+Each sub-command validates its config on this process (a mistake exits 2 with one line,
+before any process group exists), then starts torchrun with the rank module on the resolved
+config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: meshrl COMMAND @ config.toml [@ more.toml ...] [--dotted.key value ...]
+
+commands:
+  rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
+  sft    supervised fine-tuning on an environment's reference completions
+
+examples:
+  meshrl sft @ configs/reverse_text/sft.toml --output-dir runs/sft
+  meshrl rl @ configs/reverse_text/rl.toml --trainer.optim.lr 3e-4 --max-steps 40
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        sys.exit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "rl":
+        from meshrl.runtime import rl as module
+        from meshrl.runtime.config import RLConfig as cls
+    elif command == "sft":
+        from meshrl.runtime import sft as module
+        from meshrl.runtime.config import SFTConfig as cls
+    else:
+        print(f"meshrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    from meshrl.runtime import launch
+
+    cfg, _ = launch.parse_or_exit(cls, rest, module.preflight)
+    sys.exit(module.launch(cfg))
+
+
+if __name__ == "__main__":
+    main()

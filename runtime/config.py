@@ -1,0 +1,439 @@
+"""Configuration: pydantic models, TOML composition and dotted CLI overrides.
+
+A run is described by one root object (`RLConfig` or `SFTConfig`). It can be built in Python
+or from the command line::
+
+    meshrl rl @ base.toml @ small.toml --trainer.optim.lr 3e-6 --output-dir runs/x
+
+TOML files are merged left to right (later files win, tables merge key by key), then the
+dotted overrides are applied, then the whole thing is validated once. Every field carries a
+docstring (it becomes the field's description), models forbid unknown keys, validators only
+validate (derived values are properties), and each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Base(BaseModel):
+    """Common settings: unknown keys are errors, field docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class ModelConfig(Base):
+    """Which policy to train: an HF folder, or a flavor built from scratch."""
+
+    path: str | None = None
+    """HF model folder (config.json + *.safetensors + tokenizer files) to start from."""
+    flavor: str | None = None
+    """Build a fresh model of this flavor (see models/) instead of loading `path`."""
+    family: str = "qwen3"
+    """Model family of `flavor` (a key of meshrl.models.MODEL_FAMILIES)."""
+    tokenizer: Literal["char"] | None = None
+    """Tokenizer for a fresh `flavor` model; "char" builds the char-level tokenizer in code."""
+    init_seed: int = 0
+    """Seed of init_weights() for a fresh model."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bfloat16 on GPU and float32 on CPU."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.flavor is None):
+            raise ValueError("set exactly one of model.path (an HF folder) or model.flavor (a fresh model)")
+        if self.flavor is not None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required with model.flavor (e.g. \"char\")")
+        return self
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class OptimConfig(Base):
+    """AdamW with linear warm-up and gradient clipping."""
+
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up of the learning rate over this many optimizer steps."""
+
+
+class LossConfig(Base):
+    """The default RL loss: importance-weighted policy gradient, DPPO masking, KL penalty."""
+
+    delta_low: float = Field(0.2, gt=0, le=1)
+    """Mask a negative-advantage token once its probability fell by more than this."""
+    delta_high: float = Field(0.2, gt=0, le=1)
+    """Mask a positive-advantage token once its probability rose by more than this."""
+    kl_coef: float = Field(1e-3, ge=0)
+    """Weight of the 0.5 * log_ratio^2 penalty between trainer and inference logprobs."""
+
+
+class ParallelConfig(Base):
+    """Degrees of the trainer sub-mesh. Their product must equal the number of trainer ranks."""
+
+    dp_replicate: int = Field(1, ge=1)
+    """Replicated data-parallel degree (HSDP outer axis)."""
+    dp_shard: int = Field(-1, ge=-1)
+    """Sharded data-parallel degree (FSDP2); -1 takes all trainer ranks left over."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree (MoE models)."""
+
+    @model_validator(mode="after")
+    def _no_zero(self) -> "ParallelConfig":
+        if self.dp_shard == 0:
+            raise ValueError("trainer.parallel.dp_shard must be >= 1 or -1 (all remaining ranks)")
+        return self
+
+
+class TrainerConfig(Base):
+    """The trainer sub-mesh: optimizer, loss, packing and parallelism."""
+
+    optim: OptimConfig = OptimConfig()
+    """Optimizer settings."""
+    loss: LossConfig = LossConfig()
+    """RL loss settings (unused by SFT)."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Parallel degrees of the trainer sub-mesh."""
+    micro_batch_tokens: int = Field(2048, ge=16)
+    """Tokens per packed micro-batch row (several documents per row)."""
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+class SamplingConfig(Base):
+    """Sampling of rollouts."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold (1 = off). Logprobs are of the un-truncated distribution."""
+    max_tokens: int = Field(64, ge=1)
+    """Maximum completion tokens per rollout."""
+
+
+class InferenceConfig(Base):
+    """Inference engines on the inference sub-mesh (one replica per rank)."""
+
+    backend: Literal["native"] = "native"
+    """Engine implementation: the native engine (vLLM comes with its adapter)."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences decoded together in one batch per replica."""
+    max_model_len: int = Field(512, ge=8)
+    """Prompt plus completion tokens a sequence may reach."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> "InferenceConfig":
+        if self.sampling.max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"inference.sampling.max_tokens ({self.sampling.max_tokens}) must be smaller than "
+                f"inference.max_model_len ({self.max_model_len})"
+            )
+        return self
+
+
+class WeightSyncConfig(Base):
+    """Trainer -> inference weight broadcast after every optimizer step."""
+
+    bucket_mb: float = Field(64.0, gt=0)
+    """Parameters are broadcast in flat buckets of about this many MiB."""
+
+
+# ----------------------------------------------------------------------------- environments
+
+
+class ReverseTextEnvConfig(Base):
+    """Reverse a few random words character by character (built in, seeded, no hub)."""
+
+    name: Literal["reverse-text"] = "reverse-text"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set (example i is a pure function of seed and i)."""
+    min_words: int = Field(1, ge=1)
+    """Fewest words in a prompt."""
+    max_words: int = Field(1, ge=1)
+    """Most words in a prompt."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(6, ge=1)
+    """Longest word."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "ReverseTextEnvConfig":
+        if self.min_words > self.max_words:
+            raise ValueError(f"env.min_words ({self.min_words}) > env.max_words ({self.max_words})")
+        if self.min_word_len > self.max_word_len:
+            raise ValueError(f"env.min_word_len ({self.min_word_len}) > env.max_word_len ({self.max_word_len})")
+        return self
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor arguments of the environment."""
+        return self.model_dump(exclude={"name"})
+
+
+EnvConfig = Annotated[Union[ReverseTextEnvConfig], Field(discriminator="name")]
+
+
+# ----------------------------------------------------------------------------- layout and run
+
+
+class LayoutConfig(Base):
+    """How the ranks of the job split into roles: 1 controller + trainers + inference."""
+
+    num_trainer_ranks: int = Field(1, ge=1)
+    """Ranks of the trainer sub-mesh."""
+    num_inference_ranks: int = Field(1, ge=1)
+    """Ranks of the inference sub-mesh (one engine replica each)."""
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job needs: one controller, the trainers and the inference ranks."""
+        return 1 + self.num_trainer_ranks + self.num_inference_ranks
+
+
+class DistConfig(Base):
+    """torch.distributed settings."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto uses CUDA when it is available."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A collective or message that waits longer than this fails the job (no endless hang)."""
+
+
+class LogConfig(Base):
+    """What is written to the run directory and the console."""
+
+    samples_per_step: int = Field(4, ge=0)
+    """Rollouts per step written to samples/step_N.jsonl for a person to read."""
+    console: bool = True
+    """Show a live progress line on the console."""
+
+
+class RLConfig(Base):
+    """An asynchronous RL run: `meshrl rl @ cfg.toml`."""
+
+    output_dir: str = "runs/rl"
+    """Run directory: config.json, metrics.jsonl, samples/, checkpoints/, logs/."""
+    seed: int = 0
+    """Seed of prompt sampling and rollout sampling."""
+    max_steps: int = Field(20, ge=1)
+    """Optimizer steps to run."""
+    max_off_policy_steps: int = Field(1, ge=0)
+    """Rollouts may come from policies at most this many steps old (0 = synchronous on-policy)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts (groups) per optimizer step."""
+    samples_per_prompt: int = Field(8, ge=2)
+    """Rollouts per prompt; advantages are relative to the group."""
+    model: ModelConfig
+    """The policy."""
+    env: EnvConfig = ReverseTextEnvConfig()
+    """The environment."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer settings."""
+    inference: InferenceConfig = InferenceConfig()
+    """Inference settings."""
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """Weight broadcast settings."""
+    layout: LayoutConfig = LayoutConfig()
+    """Role split of the job's ranks."""
+    dist: DistConfig = DistConfig()
+    """torch.distributed settings."""
+    log: LogConfig = LogConfig()
+    """Logging settings."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RLConfig":
+        check_parallel(self.trainer.parallel, self.layout.num_trainer_ranks)
+        if self.trainer.micro_batch_tokens < self.inference.max_model_len:
+            raise ValueError(
+                f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must be >= "
+                f"inference.max_model_len ({self.inference.max_model_len}) so that every rollout fits a row"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job needs."""
+        return self.layout.world_size
+
+
+class SFTConfig(Base):
+    """Supervised warm-up on an environment's reference completions: `meshrl sft @ cfg.toml`."""
+
+    output_dir: str = "runs/sft"
+    """Run directory: config.json, metrics.jsonl, checkpoints/, logs/."""
+    seed: int = 0
+    """Seed of data order."""
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to run."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per optimizer step (over all ranks)."""
+    eval_every: int = Field(0, ge=0)
+    """Every this many steps, greedy-decode a few held-out prompts and log eval/reward (0 = off)."""
+    eval_examples: int = Field(32, ge=1)
+    """Held-out examples per evaluation."""
+    max_tokens: int = Field(64, ge=1)
+    """Completion tokens for evaluation."""
+    model: ModelConfig
+    """The model."""
+    env: EnvConfig = ReverseTextEnvConfig()
+    """Where examples come from."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer settings (loss is ignored)."""
+    num_ranks: int = Field(1, ge=1)
+    """Trainer ranks (all ranks train; there is no controller)."""
+    dist: DistConfig = DistConfig()
+    """torch.distributed settings."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SFTConfig":
+        check_parallel(self.trainer.parallel, self.num_ranks)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job needs."""
+        return self.num_ranks
+
+
+def check_parallel(p: ParallelConfig, num_ranks: int) -> None:
+    """Raise ValueError unless dp_replicate x dp_shard x cp covers exactly `num_ranks`."""
+    if p.cp != 1 or p.ep != 1 or p.dp_replicate != 1:
+        raise ValueError("trainer.parallel: only dp_shard is implemented so far (dp_replicate, cp and ep must be 1)")
+    if p.dp_shard not in (-1, num_ranks):
+        raise ValueError(
+            f"trainer.parallel.dp_shard ({p.dp_shard}) x dp_replicate x cp must equal the {num_ranks} trainer ranks"
+        )
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one readable line."""
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split `@ file.toml` references and `--dotted.key value` overrides into a merged dict.
+
+    Returns (merged raw dict, list of flags without values that the caller handles).
+    """
+    merged: dict[str, Any] = {}
+    flags: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "@" or arg.startswith("@"):
+            path = argv[i + 1] if arg == "@" and i + 1 < len(argv) else arg[1:]
+            if not path:
+                raise ConfigError("'@' must be followed by a TOML file")
+            deep_merge(merged, load_file(path))
+            i += 2 if arg == "@" else 1
+        elif arg.startswith("--"):
+            key = arg[2:]
+            if "=" in key:
+                key, value = key.split("=", 1)
+                i += 1
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@":
+                value = argv[i + 1]
+                i += 2
+            else:
+                flags.append(key)
+                i += 1
+                continue
+            set_dotted(merged, key.replace("-", "_"), parse_value(value))
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: use '@ file.toml' or '--dotted.key value'")
+    return merged, flags
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Read a TOML (or JSON, e.g. a run's config.json) configuration file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        if p.suffix == ".json":
+            return json.loads(p.read_text())
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override as a TOML value (numbers, booleans, lists, quoted strings), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def deep_merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Merge `other` into `into`: tables merge key by key, other values are replaced."""
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            deep_merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set d[a][b][c] = value for the key "a.b.c", creating tables on the way."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        nxt = d.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--{dotted}: {part!r} is not a table")
+        d = nxt
+    d[last] = value
+
+
+def validate(cls: type[Base], raw: dict[str, Any]) -> Base:
+    """Validate a raw dict into `cls`, turning pydantic's report into one readable line."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line per problem, naming the dotted field, joined with '; '."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+            msg = f"{msg} (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "config error: " + "; ".join(parts)
+
+
+def load_config(cls: type[Base], argv: list[str]) -> tuple[Base, list[str]]:
+    """Parse argv (`@ files` and overrides) and validate into `cls`; returns (config, bare flags)."""
+    raw, flags = parse_args(argv)
+    return validate(cls, raw), flags

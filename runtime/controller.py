@@ -1,0 +1,335 @@
+"""The controller: the one CPU rank that runs the RL loop's bookkeeping.
+
+    dataset cursor --> prompts --(generate)--> inference ranks --(completions)--+
+                                                                                |
+    metrics.jsonl <-- report <-- trainer ranks <--(packed micro-batches)-- score, advantages,
+                                    |                                   filter, pack per dp rank
+                                    +--(weights ready v)--> controller --(load_weights v)--> inference
+
+Asynchrony and staleness. Step s trains on the prompts dispatched "for step s". The
+controller dispatches step s only once the inference ranks have been told to load weights of
+version >= s - max_off_policy_steps, and messages to an inference rank are handled in order,
+so every token of a step-s rollout comes from a policy at most max_off_policy_steps old
+(weights may still change mid-rollout, which only makes it fresher). With 0 the loop is
+synchronous on-policy; with k > 0, inference generates up to k steps ahead while the trainer
+trains. Each rollout carries the version of every token; policy_lag = s - oldest version.
+
+All receives run on Inbox threads; the loop below waits on one queue, so it sleeps while
+nothing happens, and a dead or silent peer surfaces as an error within dist.timeout_s.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from meshrl.envs.base import Environment, Example
+from meshrl.runtime import transport
+from meshrl.runtime.algorithms import group_advantages
+from meshrl.runtime.config import RLConfig
+from meshrl.runtime.layout import Layout
+from meshrl.runtime.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log
+from meshrl.runtime.transport import Message
+
+HEARTBEAT_S = 30.0
+FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
+FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
+
+
+@dataclass
+class Rollout:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str = ""
+    reward: float = 0.0
+    failed: bool = False
+
+
+@dataclass
+class Group:
+    example: Example
+    prompt_ids: list[int]
+    rollouts: list[Rollout | None]
+
+
+@dataclass
+class StepState:
+    groups: list[Group]
+    dispatched_at: float
+    pending: int
+    completion_tokens: int = 0
+    failed: int = 0
+
+
+@dataclass
+class Clock:
+    """Counters of the step clock."""
+
+    dispatched: int = 0          # steps whose prompts went out
+    trained: int = 0             # steps whose report came back
+    training: bool = False       # a batch is with the trainer
+    weights_version: int = 0     # newest version the inference ranks were told to load
+    last_report_at: float = field(default_factory=time.perf_counter)
+    tokens_since_report: int = 0
+
+
+def encode_requests(request_ids: list[int], prompts: list[list[int]], seeds: list[int]) -> TensorDict:
+    """Ragged prompts as flat tensors plus lengths."""
+    return TensorDict({
+        "request_id": torch.tensor(request_ids, dtype=torch.int64),
+        "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        "prompt_ids": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+        "seed": torch.tensor(seeds, dtype=torch.int64),
+    }, batch_size=[])
+
+
+def decode_completions(td: TensorDict) -> list[tuple[int, Rollout]]:
+    """Inverse of inference.encode_completions."""
+    out = []
+    offset = 0
+    tokens, logprobs, versions = td["tokens"].tolist(), td["logprobs"].tolist(), td["versions"].tolist()
+    for rid, n, fin in zip(td["request_id"].tolist(), td["num_tokens"].tolist(), td["finish"].tolist()):
+        sl = slice(offset, offset + n)
+        out.append((rid, Rollout(tokens[sl], logprobs[sl], versions[sl], FINISH_NAMES[fin])))
+        offset += n
+    return out
+
+
+class Controller:
+    """Owns the dataset cursor, the environment, the buffer of rollouts and the step clock."""
+
+    def __init__(self, cfg: RLConfig, layout: Layout, env: Environment, tokenizer, run_dir: Path):
+        self.cfg = cfg
+        self.layout = layout
+        self.env = env
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.run_dir = run_dir
+        self.metrics = MetricsWriter(run_dir)
+        self.clock = Clock()
+        self.cursor = 0
+        self.steps: dict[int, StepState] = {}
+        self.where: dict[int, tuple[int, int, int]] = {}  # request id -> (step, group, sample)
+        self.next_request_id = 0
+        self.inbox = transport.Inbox()
+        self.progress = ProgressLine(cfg.max_steps, cfg.log.console, "rl")
+        self.final: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict[str, float]:
+        roles = self.layout.roles
+        self.inbox.listen(roles.trainers[0], self.layout.up[roles.trainers[0]], "trainer")
+        for r in roles.inference:
+            self.inbox.listen(r, self.layout.up[r], f"inference-{r}")
+        waited = 0.0
+        while self.clock.trained < self.cfg.max_steps:
+            self._dispatch()
+            self._maybe_train()
+            msg = self.inbox.get(timeout=HEARTBEAT_S)
+            if msg is None:
+                waited += HEARTBEAT_S
+                log.warning("heartbeat: waiting %.0fs; trained %d, dispatched %d, training=%s, in flight %d",
+                            waited, self.clock.trained, self.clock.dispatched, self.clock.training, len(self.where))
+                continue
+            waited = 0.0
+            self._handle(msg)
+        self._shutdown()
+        self.progress.close()
+        return self.final
+
+    def _handle(self, msg: Message) -> None:
+        if msg.kind == "completions":
+            self._on_completions(msg.data)
+        elif msg.kind == "weights":
+            self.clock.weights_version = msg.meta["version"]
+            for r in self.layout.roles.inference:
+                transport.send(Message("load_weights", {"version": msg.meta["version"]}), r, self.layout.down[r])
+        elif msg.kind == "report":
+            self._on_report(msg.meta)
+        else:
+            raise RuntimeError(f"controller got an unexpected message {msg.kind!r} from rank {msg.src}")
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self) -> None:
+        """Send the prompts of every step the staleness bound allows."""
+        k = self.cfg.max_off_policy_steps
+        while (self.clock.dispatched < self.cfg.max_steps
+               and self.clock.dispatched - self.clock.weights_version <= k):
+            self._dispatch_step(self.clock.dispatched)
+            self.clock.dispatched += 1
+
+    def _dispatch_step(self, step: int) -> None:
+        cfg = self.cfg
+        inference = self.layout.roles.inference
+        per_rank: dict[int, tuple[list[int], list[list[int]], list[int]]] = {r: ([], [], []) for r in inference}
+        groups = []
+        for g in range(cfg.prompts_per_step):
+            example = self.env.example(self.cursor)
+            self.cursor += 1
+            prompt_ids = self.tokenizer.encode(example.prompt, add_special_tokens=False)
+            groups.append(Group(example, prompt_ids, [None] * cfg.samples_per_prompt))
+            rank = inference[(step * cfg.prompts_per_step + g) % len(inference)]  # a group stays on one replica
+            ids, prompts, seeds = per_rank[rank]
+            for j in range(cfg.samples_per_prompt):
+                rid = self.next_request_id
+                self.next_request_id += 1
+                self.where[rid] = (step, g, j)
+                ids.append(rid)
+                prompts.append(prompt_ids)
+                seeds.append(random.Random(f"{cfg.seed}:{step}:{g}:{j}").getrandbits(62))
+        self.steps[step] = StepState(groups, time.perf_counter(), pending=cfg.prompts_per_step * cfg.samples_per_prompt)
+        s = cfg.inference.sampling
+        meta = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens,
+                "stop_token_ids": [self.eos_id], "step": step}
+        for rank, (ids, prompts, seeds) in per_rank.items():
+            if ids:
+                transport.send(Message("generate", meta, encode_requests(ids, prompts, seeds)), rank, self.layout.down[rank])
+        log.info("dispatched step %d (%d prompts x %d samples) with weights v%d",
+                 step, cfg.prompts_per_step, cfg.samples_per_prompt, self.clock.weights_version)
+
+    # ------------------------------------------------------------------ scoring
+
+    def _on_completions(self, td: TensorDict) -> None:
+        for rid, rollout in decode_completions(td):
+            step, g, j = self.where.pop(rid)
+            state = self.steps[step]
+            group = state.groups[g]
+            self._score(group.example, rollout)
+            group.rollouts[j] = rollout
+            state.pending -= 1
+            state.completion_tokens += len(rollout.token_ids)
+            state.failed += rollout.failed
+            self.clock.tokens_since_report += len(rollout.token_ids)
+
+    def _score(self, example: Example, rollout: Rollout) -> None:
+        ids = rollout.token_ids[:-1] if rollout.token_ids and rollout.token_ids[-1] == self.eos_id else rollout.token_ids
+        rollout.text = self.tokenizer.decode(ids)
+        try:
+            rollout.reward = float(self.env.score(example, rollout.text))
+        except Exception:  # noqa: BLE001 - a user's reward function; the rollout is excluded and counted
+            rollout.failed = True
+            log.error("reward function of %s raised on example %d; rollout excluded:\n%s",
+                      self.env.name, example.index, traceback.format_exc())
+
+    # ------------------------------------------------------------------ training
+
+    def _maybe_train(self) -> None:
+        step = self.clock.trained
+        if self.clock.training or step not in self.steps or self.steps[step].pending:
+            return
+        samples, stats = self._build_samples(step)
+        ranks = self.layout.roles.trainers
+        batches = pack(samples, self.cfg.trainer.micro_batch_tokens, len(ranks), pad_id=self.tokenizer.pad_token_id or 0)
+        num_loss_tokens = count_loss_tokens(batches)
+        meta = {"step": step, "num_loss_tokens": num_loss_tokens}
+        for rank, mbs in zip(ranks, batches):
+            data = TensorDict({str(i): mb for i, mb in enumerate(mbs)}, batch_size=[])
+            transport.send(Message("train", {**meta, "num_micro_batches": len(mbs)}, data), rank, self.layout.down[rank])
+        self.clock.training = True
+        self._pending_stats = stats
+
+    def _build_samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Advantages per group, filtering of uninformative groups, and rollout statistics."""
+        state = self.steps[step]
+        samples: list[Sample] = []
+        rewards, lags, lengths = [], [], []
+        filtered = 0
+        for group in state.groups:
+            ok = [r for r in group.rollouts if r is not None and not r.failed]
+            rewards += [r.reward for r in ok]
+            lags += [step - min(r.versions) for r in ok if r.versions]
+            lengths += [len(r.token_ids) for r in ok]
+            if len(ok) < 2:
+                filtered += 1
+                continue
+            adv = group_advantages(torch.tensor([[r.reward for r in ok]]))[0]
+            if adv.abs().max() < 1e-6:  # every sample scored the same: no learning signal
+                filtered += 1
+                continue
+            for r, a in zip(ok, adv.tolist()):
+                samples.append(Sample(group.prompt_ids, r.token_ids, r.logprobs, a))
+        truncated = sum(r.finish_reason == "length" for g in state.groups for r in g.rollouts if r is not None)
+        total = len(state.groups) * self.cfg.samples_per_prompt
+        stats = {
+            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward/std": statistics.pstdev(rewards) if rewards else 0.0,
+            "policy_lag/mean": statistics.fmean(lags) if lags else 0.0,
+            "policy_lag/max": max(lags) if lags else 0,
+            "batch/groups_filtered": filtered,
+            "batch/samples_trained": len(samples),
+            "rollouts/failed": state.failed,
+            "rollouts/truncated_fraction": truncated / total,
+            "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+            "time/rollout_s": time.perf_counter() - state.dispatched_at,
+        }
+        self._write_samples(step, state)
+        return samples, stats
+
+    def _write_samples(self, step: int, state: StepState) -> None:
+        rows = []
+        for group in state.groups:
+            for r in group.rollouts:
+                if r is None or len(rows) >= self.cfg.log.samples_per_step:
+                    continue
+                rows.append({"step": step, "prompt": group.example.prompt, "answer": group.example.answer,
+                             "completion": r.text, "reward": r.reward, "finish_reason": r.finish_reason,
+                             "versions": sorted(set(r.versions)), "failed": r.failed})
+        self.metrics.samples(step, rows)
+
+    def _on_report(self, meta: dict) -> None:
+        step = meta["step"]
+        assert step == self.clock.trained, f"trainer reported step {step}, expected {self.clock.trained}"
+        now = time.perf_counter()
+        elapsed = now - self.clock.last_report_at
+        trainer = meta["stats"]
+        metrics = {"step": step, **self._pending_stats,
+                   **{k: trainer[k] for k in ("loss", "pg_loss", "kl_loss", "mismatch_kl", "entropy",
+                                              "masked_fraction", "grad_norm", "lr")},
+                   "tokens/rollout_per_s": self.clock.tokens_since_report / max(elapsed, 1e-9),
+                   "tokens/train_per_s": trainer["train_tokens"] / max(trainer["train_time_s"], 1e-9),
+                   "time/step_s": elapsed,
+                   "time/train_s": trainer["train_time_s"],
+                   "time/weight_sync_s": meta["weight_sync_s"],
+                   "weights/version": meta["version"]}
+        self.metrics.write(metrics)
+        del self.steps[step]
+        self.clock.trained += 1
+        self.clock.training = False
+        self.clock.last_report_at = now
+        self.clock.tokens_since_report = 0
+        self.final = metrics
+        self.progress.update(self.clock.trained, (
+            f"reward {metrics['reward/mean']:.3f}  lag {metrics['policy_lag/max']}  "
+            f"rollout {metrics['tokens/rollout_per_s']:.0f} tok/s  train {metrics['tokens/train_per_s']:.0f} tok/s"))
+        log.info("step %d: %s", step, {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        """Stop every rank and wait for their last messages (the trainer's after its checkpoint)."""
+        roles = self.layout.roles
+        for r in (*roles.inference, *roles.trainers):
+            transport.send(Message("stop"), r, self.layout.down[r])
+        waiting = {roles.trainers[0], *roles.inference}
+        while waiting:
+            msg = self.inbox.get(timeout=self.cfg.dist.timeout_s)
+            if msg is None:
+                raise TimeoutError(f"ranks {sorted(waiting)} did not finish within {self.cfg.dist.timeout_s}s")
+            if msg.kind == "done":
+                waiting.discard(msg.src)
+            elif msg.kind in ("completions", "weights"):
+                continue  # late messages of the last step; nothing left to train on
+            else:
+                self._handle(msg)

@@ -1,0 +1,172 @@
+"""Roles, devices, process groups and meshes of one job.
+
+    world ranks --assign_roles()--> controller (1, CPU only) | trainers (T) | inference (I)
+
+`assign_roles` is a pure function of (world size, layout, controller rank). The controller
+is the process past the node's GPUs (on CPU: the last local rank), found by an all-gather
+of a flag, because which torchrun agent gets which global ranks is decided by the
+rendezvous, not by us.
+
+Process groups (every rank creates all of them, in the same order, as torch requires):
+- the default group: gloo on CPU, "cpu:gloo,cuda:nccl" on GPU;
+- `trainer`: the trainer ranks, wrapped in a DeviceMesh with named axes (dp_shard today,
+  dp_replicate/cp/ep later) — FSDP2 runs on it;
+- `inference`: the inference ranks, a DeviceMesh with the axis "replica";
+- `sync`: trainer rank 0 + all inference ranks, for the weight broadcast (NCCL on GPU);
+- `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
+  that a receiving thread and a sending thread never share a group.
+
+torch has no DeviceMesh over an uneven split of one world, so `Layout` holds the two
+sub-meshes side by side; their ranks are global ranks of the one job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+CONTROLLER, TRAINER, INFERENCE = "controller", "trainer", "inference"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which global rank plays which role."""
+
+    world_size: int
+    controller: int
+    trainers: tuple[int, ...]
+    inference: tuple[int, ...]
+
+    def role_of(self, rank: int) -> str:
+        if rank == self.controller:
+            return CONTROLLER
+        if rank in self.trainers:
+            return TRAINER
+        if rank in self.inference:
+            return INFERENCE
+        raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+
+
+def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: int, controller: int = -1) -> Roles:
+    """Split `world_size` ranks into one controller, trainers, then inference ranks.
+
+    `controller` is the global rank chosen as controller (-1 = the last rank). Trainers are the
+    first `num_trainer_ranks` other ranks in order, inference ranks the rest.
+    """
+    needed = 1 + num_trainer_ranks + num_inference_ranks
+    if world_size != needed:
+        raise ValueError(
+            f"the layout needs {needed} ranks (1 controller + {num_trainer_ranks} trainer + "
+            f"{num_inference_ranks} inference) but the job has {world_size}"
+        )
+    controller = controller % world_size
+    others = [r for r in range(world_size) if r != controller]
+    return Roles(
+        world_size=world_size,
+        controller=controller,
+        trainers=tuple(others[:num_trainer_ranks]),
+        inference=tuple(others[num_trainer_ranks:]),
+    )
+
+
+def pick_device(requested: str) -> torch.device:
+    """The device of this process (before roles are known): CUDA by local rank, else CPU."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("dist.device = 'cuda' but CUDA is not available")
+    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        return torch.device("cpu")  # the controller: the process past the node's GPUs
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_world(device: torch.device, timeout_s: float) -> tuple[int, int]:
+    """Start the default process group; returns (rank, world size)."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" or _node_has_cuda() else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _node_has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def find_controller(device: torch.device) -> int:
+    """All ranks agree on the controller: the lowest global rank that volunteers.
+
+    A process volunteers when it has no GPU of its own on a GPU node, or, on CPU, when it is
+    the last local rank of its node.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        volunteer = device.type == "cpu"
+    else:
+        volunteer = local_rank == local_world - 1
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, volunteer)
+    candidates = [r for r, f in enumerate(flags) if f]
+    if not candidates:
+        raise ValueError(
+            "no process can be the controller: start one process more per job than GPUs "
+            "(torchrun --nproc-per-node = GPUs + 1 on one node)"
+        )
+    return candidates[0]
+
+
+@dataclass
+class Layout:
+    """This process's view of the job: its role, device, groups and meshes."""
+
+    rank: int
+    roles: Roles
+    device: torch.device
+    trainer_group: dist.ProcessGroup | None = None
+    inference_group: dist.ProcessGroup | None = None
+    sync_group: dist.ProcessGroup | None = None
+    trainer_mesh: DeviceMesh | None = None
+    inference_mesh: DeviceMesh | None = None
+    down: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    up: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return self.roles.role_of(self.rank)
+
+    @property
+    def is_trainer_leader(self) -> bool:
+        return self.rank == self.roles.trainers[0]
+
+
+def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float) -> Layout:
+    """Create every group (all ranks, same order) and the sub-meshes this rank belongs to."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    lay = Layout(rank=rank, roles=roles, device=device)
+    trainer_group = dist.new_group(list(roles.trainers), timeout=timeout)
+    inference_group = dist.new_group(list(roles.inference), timeout=timeout)
+    sync_backend = "nccl" if device.type == "cuda" or torch.cuda.is_available() else "gloo"
+    sync_group = dist.new_group([roles.trainers[0], *roles.inference], timeout=timeout, backend=sync_backend)
+    for r in (*roles.trainers, *roles.inference):
+        lay.down[r] = dist.new_group([roles.controller, r], timeout=timeout, backend="gloo")
+        lay.up[r] = dist.new_group([roles.controller, r], timeout=timeout, backend="gloo")
+    if rank in roles.trainers:
+        lay.trainer_group = trainer_group
+        lay.trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp_shard",))
+    if rank in roles.inference:
+        lay.inference_group = inference_group
+        lay.inference_mesh = DeviceMesh.from_group(inference_group, device.type, mesh_dim_names=("replica",))
+    if rank == roles.trainers[0] or rank in roles.inference:
+        lay.sync_group = sync_group
+    # keep only the pair groups this rank is a member of
+    if rank != roles.controller:
+        lay.down = {rank: lay.down[rank]}
+        lay.up = {rank: lay.up[rank]}
+    return lay

@@ -1,0 +1,192 @@
+"""Pack scored rollouts into one-row micro-batches for each trainer data-parallel rank.
+
+A *document* is one sample's prompt followed by its completion. Documents are never split:
+each micro-batch is a single row ``(1, T)`` with ``T <= seq_len`` holding several whole
+documents back to back, and ``doc_ids`` / ``position_ids`` let attention keep them apart
+(token i attends token j iff same document and j <= i) and restart RoPE per document.
+
+For a document with ``P`` prompt and ``C`` completion tokens at row offset ``o``:
+
+    position      o .. o+P-2 | o+P-1 .. o+P+C-2 | o+P+C-1
+    target        prompt[1:] | completion       | 0 (no next token in this document)
+    loss_mask     False      | True             | False
+
+so the loss positions are exactly those whose target is a completion token, and
+``inference_logprobs`` there is the engine's logprob of that target token.
+
+Bins are filled first-fit-decreasing by document length, then handed to ranks greedily
+(largest bin to the least-loaded rank). Every rank gets the same number of micro-batches
+because FSDP's collectives must match across ranks: short ranks are padded with length-1
+micro-batches that carry no loss tokens. The result is deterministic for a given input.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["Sample", "pack", "pack_sft", "count_loss_tokens"]
+
+
+@dataclass
+class Sample:
+    """One scored rollout, token ids as the engine saw them."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]  # one per completion token, from the inference engine
+    advantage: float
+
+
+def pack(samples: Sequence[Sample], seq_len: int, num_ranks: int, pad_id: int = 0) -> list[list[TensorDict]]:
+    """Pack samples into ``num_ranks`` equally long lists of one-row micro-batches.
+
+    Args:
+        samples: scored rollouts; a sample's index in this sequence is its ``sample_ids`` value.
+        seq_len: maximum tokens per micro-batch row; a longer document raises ValueError.
+        num_ranks: trainer data-parallel ranks.
+        pad_id: token id of the padding micro-batches.
+
+    Returns:
+        ``batches[rank][i]``: TensorDict, batch_size (1, T), with int64 ``input_ids``,
+        ``position_ids``, ``doc_ids`` (0, 1, .. within the row), ``targets``, ``sample_ids``
+        (-1 in padding micro-batches), bool ``loss_mask``, fp32 ``advantages`` and
+        ``inference_logprobs`` (both 0 outside the loss mask).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    lengths = [_document_length(i, s, seq_len) for i, s in enumerate(samples)]
+    bins = _first_fit_decreasing(lengths, seq_len)
+    per_rank = _assign_to_ranks(bins, lengths, num_ranks)
+    num_micro_batches = max(len(rank_bins) for rank_bins in per_rank)
+    return [
+        [_build_row(samples, doc_indices) for doc_indices in rank_bins]
+        + [_empty_row(pad_id) for _ in range(num_micro_batches - len(rank_bins))]
+        for rank_bins in per_rank
+    ]
+
+
+def pack_sft(
+    examples: Sequence[tuple[list[int], list[int]]], seq_len: int, num_ranks: int, pad_id: int = 0
+) -> list[list[TensorDict]]:
+    """`pack` for supervised warm-up: (prompt_ids, completion_ids) pairs, advantage 1, logprobs 0."""
+    samples = [
+        Sample(list(prompt), list(completion), [0.0] * len(completion), advantage=1.0)
+        for prompt, completion in examples
+    ]
+    return pack(samples, seq_len, num_ranks, pad_id=pad_id)
+
+
+def count_loss_tokens(batches: Sequence[Sequence[TensorDict]]) -> int:
+    """Loss tokens over all ranks and micro-batches (the ``num_loss_tokens`` of the losses)."""
+    return sum(int(mb["loss_mask"].sum()) for rank_batches in batches for mb in rank_batches)
+
+
+def _document_length(index: int, sample: Sample, seq_len: int) -> int:
+    """Validate one sample and return its document length (prompt + completion)."""
+    if len(sample.prompt_ids) == 0:
+        raise ValueError(f"sample {index}: empty prompt (a prompt token must predict the first completion token)")
+    if len(sample.completion_logprobs) != len(sample.completion_ids):
+        raise ValueError(
+            f"sample {index}: {len(sample.completion_ids)} completion tokens but "
+            f"{len(sample.completion_logprobs)} completion logprobs"
+        )
+    length = len(sample.prompt_ids) + len(sample.completion_ids)
+    if length > seq_len:
+        raise ValueError(f"sample {index}: document of {length} tokens does not fit seq_len={seq_len}")
+    return length
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of document indices, longest documents placed first into the first bin with room."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        slot = next((b for b, room in enumerate(free) if room >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            free.append(capacity)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        free[slot] -= lengths[i]
+    return bins
+
+
+def _assign_to_ranks(bins: list[list[int]], lengths: list[int], num_ranks: int) -> list[list[list[int]]]:
+    """Greedy balance of token counts: each bin, largest first, goes to the least-loaded rank."""
+    sizes = [sum(lengths[i] for i in b) for b in bins]
+    order = sorted(range(len(bins)), key=lambda b: (-sizes[b], b))
+    per_rank: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for b in order:
+        rank = min(range(num_ranks), key=lambda r: (load[r], r))
+        per_rank[rank].append(bins[b])
+        load[rank] += sizes[b]
+    return per_rank
+
+
+def _build_row(samples: Sequence[Sample], doc_indices: list[int]) -> TensorDict:
+    """One (1, T) micro-batch holding the given documents in order."""
+    columns: dict[str, list] = {k: [] for k in _FIELDS}
+    for doc_id, index in enumerate(doc_indices):
+        for key, values in _document_columns(samples[index], doc_id, index).items():
+            columns[key].extend(values)
+    return _to_tensordict(columns)
+
+
+def _document_columns(sample: Sample, doc_id: int, sample_index: int) -> dict[str, list]:
+    """Per-position values of one document (see the module docstring for the layout)."""
+    num_prompt = len(sample.prompt_ids)
+    tokens = list(sample.prompt_ids) + list(sample.completion_ids)
+    length = len(tokens)
+    # Position t predicts tokens[t + 1]; it is a loss position iff that token is a completion token.
+    is_loss = [num_prompt - 1 <= t <= length - 2 for t in range(length)]
+    return {
+        "input_ids": tokens,
+        "position_ids": list(range(length)),
+        "doc_ids": [doc_id] * length,
+        "sample_ids": [sample_index] * length,
+        "targets": tokens[1:] + [0],
+        "loss_mask": is_loss,
+        "advantages": [float(sample.advantage) if m else 0.0 for m in is_loss],
+        "inference_logprobs": [0.0] * (num_prompt - 1) + list(map(float, sample.completion_logprobs)) + [0.0],
+    }
+
+
+def _empty_row(pad_id: int) -> TensorDict:
+    """A length-1 micro-batch with no loss tokens, so every rank runs the same collectives."""
+    return _to_tensordict(
+        {
+            "input_ids": [pad_id],
+            "position_ids": [0],
+            "doc_ids": [0],
+            "sample_ids": [-1],
+            "targets": [0],
+            "loss_mask": [False],
+            "advantages": [0.0],
+            "inference_logprobs": [0.0],
+        }
+    )
+
+
+_FIELDS = {
+    "input_ids": torch.int64,
+    "position_ids": torch.int64,
+    "doc_ids": torch.int64,
+    "sample_ids": torch.int64,
+    "targets": torch.int64,
+    "loss_mask": torch.bool,
+    "advantages": torch.float32,
+    "inference_logprobs": torch.float32,
+}
+
+
+def _to_tensordict(columns: dict[str, list]) -> TensorDict:
+    """Lists of per-position values -> (1, T) tensors of the field dtypes."""
+    length = len(columns["input_ids"])
+    tensors = {key: torch.tensor(columns[key], dtype=dtype).view(1, length) for key, dtype in _FIELDS.items()}
+    return TensorDict(tensors, batch_size=[1, length])

@@ -1,0 +1,63 @@
+"""Build the policy model and its tokenizer from a `ModelConfig` (used by every role)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshrl.models import get_family
+from meshrl.models.hf import load_hf_model
+from meshrl.runtime.config import ModelConfig
+from meshrl.runtime.tokenizer import build_char_tokenizer, load_tokenizer
+
+
+def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """bfloat16 on GPU and float32 on CPU unless the config names one."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def check_model_source(cfg: ModelConfig) -> None:
+    """Fail early (before any process group) when the model folder is missing or incomplete."""
+    if cfg.path is not None:
+        folder = Path(cfg.path)
+        if not folder.is_dir():
+            raise ValueError(f"model.path: folder not found: {cfg.path}")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model.path: {cfg.path} has no config.json (an HF model folder is expected)")
+        if not any(folder.glob("*.safetensors")):
+            raise ValueError(f"model.path: {cfg.path} has no *.safetensors weights")
+    else:
+        family = get_family(cfg.family)
+        if cfg.flavor not in family.flavors:
+            raise ValueError(f"model.flavor: unknown flavor {cfg.flavor!r} of {cfg.family} (known: {sorted(family.flavors)})")
+
+
+def load_tokenizer_for(cfg: ModelConfig):
+    """The tokenizer of the model folder, or the one built in code for a fresh model."""
+    if cfg.path is not None:
+        return load_tokenizer(cfg.path)
+    assert cfg.tokenizer == "char"
+    return build_char_tokenizer()
+
+
+def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, tokenizer=None):
+    """Return (model, args) on `device` in `dtype`: loaded from `cfg.path` or freshly initialised.
+
+    Every rank that calls this with the same config gets the same weights (the fresh init is
+    seeded), which the trainer relies on before FSDP2 shards the model.
+    """
+    if cfg.path is not None:
+        return load_hf_model(cfg.path, device=device, dtype=dtype)
+    family = get_family(cfg.family)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
+    args = dataclasses.replace(family.flavors[cfg.flavor], vocab_size=len(tokenizer))
+    with torch.device("meta"):
+        model: nn.Module = family.model_cls(args)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.init_seed)
+    return model.to(dtype), args

@@ -1,0 +1,50 @@
+"""Run a function on several real processes with gloo (a tiny torchrun for tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, errq) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which fails the test
+        errq.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` spawned processes; re-raise any failure."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            errors.append((-1, "a rank hung"))
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in errors) or "a rank failed")
