@@ -152,6 +152,9 @@ _QWEN3 = Qwen3Args(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, norm
 FLAVORS: dict[str, Qwen3Args] = {
     "debug": Qwen3Args(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
                        max_seq_len=2048),
+    # ~0.8M parameters with a 100-token char vocabulary: the CPU reverse-text demo.
+    "tiny": Qwen3Args(vocab_size=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384,
+                      max_seq_len=2048),
     "0.6B": replace(_QWEN3, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_embeddings=True),
     "1.7B": replace(_QWEN3, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_embeddings=True),
     "4B": replace(_QWEN3, dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_embeddings=True),

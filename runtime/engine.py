@@ -156,8 +156,9 @@ def sample_tokens(
     tokens = logp.argmax(dim=-1)  # greedy rows keep this
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
-        top_p = torch.tensor([params[i].top_p for i in sampled], device=device)
-        probs = top_p_filter(logp[sampled].exp(), top_p)  # (S, V), unnormalised is fine
+        probs = logp[sampled].exp()  # (S, V); multinomial takes unnormalised rows
+        if any(params[i].top_p < 1.0 for i in sampled):  # skip the vocabulary sort when unused
+            probs = top_p_filter(probs, torch.tensor([params[i].top_p for i in sampled], device=device))
         shared = [j for j, i in enumerate(sampled) if generators[i] is None]
         if shared:
             tokens[[sampled[j] for j in shared]] = torch.multinomial(probs[shared], 1).squeeze(-1)

@@ -87,7 +87,8 @@ def test_greedy_matches_transformers(tmp_path):
     prompts = random_prompts([3, 11, 5, 1, 8])
     max_tokens = [9, 4, 12, 7, 6]
     requests = [
-        Request(i, p, SamplingParams(temperature=0.0, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, max_tokens))
+        Request(i, p, SamplingParams(temperature=0.0, max_tokens=n))
+        for i, (p, n) in enumerate(zip(prompts, max_tokens))
     ]
     # Fewer slots than requests: later requests are admitted as earlier ones finish.
     completions = generate(make_engine(model, max_num_seqs=2), requests)
