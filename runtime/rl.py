@@ -7,6 +7,7 @@ the groups and meshes, then run its role: `Controller.run`, `run_trainer` or
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def preflight(cfg: RLConfig) -> None:
         raise ValueError("dist.device: 'cuda' requested but CUDA is not available")
     if torch.cuda.is_available() and cfg.dist.device != "cpu":
         gpus = cfg.layout.num_trainer_ranks + cfg.layout.num_inference_ranks
-        if "WORLD_SIZE" not in __import__("os").environ and gpus > torch.cuda.device_count():
+        if "WORLD_SIZE" not in os.environ and gpus > torch.cuda.device_count():
             raise ValueError(f"layout: {gpus} trainer + inference ranks need {gpus} GPUs, this node has "
                              f"{torch.cuda.device_count()}")
 
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
     layout = build_layout(roles, rank, device, cfg.dist.timeout_s)
-    log.info("roles: controller %d, trainers %s, inference %s; device %s", roles.controller, roles.trainers,
-             roles.inference, device)
+    log.info("pid %d; roles: controller %d, trainers %s, inference %s; device %s", os.getpid(), roles.controller,
+             roles.trainers, roles.inference, device)
     launching.guarded(run_dir, rank, role, lambda: run_role(cfg, layout))
     dist.destroy_process_group()
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Reverse-text demo: supervised warm-up of a tiny char-level Qwen3, then asynchronous RL.
+# Runs on a CPU-only machine; on a CUDA machine expose exactly 2 GPUs (CUDA_VISIBLE_DEVICES=0,1).
+# Extra arguments go to the RL stage, e.g.: bash examples/reverse_text/run.sh --max-steps 40
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# torch is pinned on purpose: on a CPU machine torch==2.13.0 resolves to a CPU wheel, while a
+# looser pin downloads a multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0 -e .
+
+.venv/bin/meshrl sft @ configs/reverse_text/sft.toml
+.venv/bin/meshrl rl @ configs/reverse_text/rl.toml "$@"
