@@ -14,6 +14,7 @@ USAGE = """usage: meshrl COMMAND @ config.toml [@ more.toml ...] [--dotted.key v
 commands:
   rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
   sft    supervised fine-tuning on an environment's reference completions
+  bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL)
 
 examples:
   meshrl sft @ configs/reverse_text/sft.toml --output-dir runs/sft
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
+    if command == "bench":
+        from meshrl.runtime import bench
+
+        bench.main(rest)
+        return
     if command == "rl":
         from meshrl.runtime import rl as module
         from meshrl.runtime.config import RLConfig as cls

@@ -49,7 +49,7 @@ class ModelConfig(Base):
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
         if (self.path is None) == (self.flavor is None):
-            raise ValueError("set exactly one of model.path (an HF folder) or model.flavor (a fresh model)")
+            raise ValueError("model: set exactly one of model.path (an HF folder) or model.flavor (a fresh model)")
         if self.flavor is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required with model.flavor (e.g. \"char\")")
         return self
@@ -194,9 +194,18 @@ class ReverseTextEnvConfig(Base):
 
 
 EnvConfig = Annotated[Union[ReverseTextEnvConfig], Field(discriminator="name")]
+_UNION_TAGS = {"reverse-text"}
 
 
 # ----------------------------------------------------------------------------- layout and run
+
+
+def _default_env_name(data: Any) -> Any:
+    """Let `--env.seed 3` alone select the default environment (the union needs its tag)."""
+    if isinstance(data, dict) and isinstance(data.get("env"), dict) and "name" not in data["env"]:
+        data = {**data, "env": {"name": "reverse-text", **data["env"]}}
+    return data
+
 
 
 class LayoutConfig(Base):
@@ -219,7 +228,11 @@ class DistConfig(Base):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto uses CUDA when it is available."""
     timeout_s: float = Field(600.0, gt=0)
-    """A collective or message that waits longer than this fails the job (no endless hang)."""
+    """A collective (FSDP, weight broadcast) that waits longer than this fails the job."""
+    message_timeout_s: float = Field(3600.0, gt=0)
+    """A rank that hears nothing on a control channel for this long fails the job. Channels are
+    legitimately idle while the other side works (a long step), so this is longer than timeout_s;
+    a peer that dies closes its connections and is detected at once, not after this timeout."""
 
 
 class LogConfig(Base):
@@ -237,7 +250,7 @@ class RLConfig(Base):
     output_dir: str = "runs/rl"
     """Run directory: config.json, metrics.jsonl, samples/, checkpoints/, logs/."""
     seed: int = 0
-    """Seed of prompt sampling and rollout sampling."""
+    """Seed of rollout sampling: request i of step s samples with a seed derived from (seed, s, i)."""
     max_steps: int = Field(20, ge=1)
     """Optimizer steps to run."""
     max_off_policy_steps: int = Field(1, ge=0)
@@ -263,6 +276,8 @@ class RLConfig(Base):
     log: LogConfig = LogConfig()
     """Logging settings."""
 
+    _env_name = model_validator(mode="before")(_default_env_name)
+
     @model_validator(mode="after")
     def _consistent(self) -> "RLConfig":
         check_parallel(self.trainer.parallel, self.layout.num_trainer_ranks)
@@ -284,8 +299,6 @@ class SFTConfig(Base):
 
     output_dir: str = "runs/sft"
     """Run directory: config.json, metrics.jsonl, checkpoints/, logs/."""
-    seed: int = 0
-    """Seed of data order."""
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to run."""
     batch_size: int = Field(32, ge=1)
@@ -306,6 +319,8 @@ class SFTConfig(Base):
     """Trainer ranks (all ranks train; there is no controller)."""
     dist: DistConfig = DistConfig()
     """torch.distributed settings."""
+
+    _env_name = model_validator(mode="before")(_default_env_name)
 
     @model_validator(mode="after")
     def _consistent(self) -> "SFTConfig":
@@ -423,13 +438,15 @@ def format_validation_error(e: ValidationError) -> str:
     """One line per problem, naming the dotted field, joined with '; '."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-after"))
+        # drop pydantic's internal steps and the tag of a tagged union ("env.reverse-text" -> "env")
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-") and x not in _UNION_TAGS)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        # a validator's message that already names its field needs no location prefix
+        parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
     return "config error: " + "; ".join(parts)
 
 

@@ -179,6 +179,10 @@ class Controller:
             example = self.env.example(self.cursor)
             self.cursor += 1
             prompt_ids = self.tokenizer.encode(example.prompt, add_special_tokens=False)
+            if len(prompt_ids) + cfg.inference.sampling.max_tokens > cfg.inference.max_model_len:
+                raise ValueError(
+                    f"example {example.index} has a {len(prompt_ids)}-token prompt: with max_tokens "
+                    f"{cfg.inference.sampling.max_tokens} it exceeds inference.max_model_len ({cfg.inference.max_model_len})")
             groups.append(Group(example, prompt_ids, [None] * cfg.samples_per_prompt))
             rank = inference[(step * cfg.prompts_per_step + g) % len(inference)]  # a group stays on one replica
             ids, prompts, seeds = per_rank[rank]

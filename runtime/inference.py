@@ -54,12 +54,12 @@ def run_inference(cfg: RLConfig, layout: Layout) -> None:
     model, _ = build_policy(cfg.model, device, dtype)
     engine = NativeEngine(model, max_num_seqs=cfg.inference.max_num_seqs,
                           max_model_len=cfg.inference.max_model_len, device=device, dtype=dtype)
+    controller = layout.roles.controller
+    inbox = transport.Inbox(last_kinds=("stop",))
+    inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
     src = layout.roles.trainers[0]
     weight_sync.receive_weights(engine.model, layout.sync_group, src, dtype, cfg.weight_sync.bucket_mb, device)
     log.info("received initial weights (v0)")
-    controller = layout.roles.controller
-    inbox = transport.Inbox(last_kinds=("stop",))
-    inbox.listen(controller, layout.down[layout.rank], "controller")
     up = layout.up[layout.rank]
     generated = 0
     while True:

@@ -74,52 +74,48 @@ def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: i
     )
 
 
-def pick_device(requested: str) -> torch.device:
-    """The device of this process (before roles are known): CUDA by local rank, else CPU."""
+def use_cuda(requested: str) -> bool:
+    """Whether this job runs on GPUs: a function of the config and the node, equal on every rank."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("dist.device = 'cuda' but CUDA is not available")
-    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        return torch.device("cpu")
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
+def pick_device(cuda: bool) -> torch.device:
+    """This process's device before roles are known: the GPU of its local rank, or the CPU.
+
+    A process past the node's GPUs gets the CPU (it will volunteer as the controller).
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        return torch.device("cpu")  # the controller: the process past the node's GPUs
+    if not cuda or local_rank >= torch.cuda.device_count():
+        return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
 
-def init_world(device: torch.device, timeout_s: float) -> tuple[int, int]:
+def init_world(cuda: bool, timeout_s: float) -> tuple[int, int]:
     """Start the default process group; returns (rank, world size)."""
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" or _node_has_cuda() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
-def _node_has_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 def find_controller(device: torch.device) -> int:
-    """All ranks agree on the controller: the lowest global rank that volunteers.
+    """All ranks agree on the controller (an all-gather of each process's claim).
 
-    A process volunteers when it has no GPU of its own on a GPU node, or, on CPU, when it is
-    the last local rank of its node.
+    The best claim is a process with no GPU of its own (the one past the node's GPUs, as the
+    launchers start it); failing that, the last local rank of a node (CPU jobs, or a node with
+    more GPUs than the job uses). Ties go to the lowest global rank.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        volunteer = device.type == "cpu"
-    else:
-        volunteer = local_rank == local_world - 1
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, volunteer)
-    candidates = [r for r, f in enumerate(flags) if f]
-    if not candidates:
-        raise ValueError(
-            "no process can be the controller: start one process more per job than GPUs "
-            "(torchrun --nproc-per-node = GPUs + 1 on one node)"
-        )
-    return candidates[0]
+    claim = 2 if device.type == "cpu" and torch.cuda.is_available() else int(local_rank == local_world - 1)
+    claims = [0] * dist.get_world_size()
+    dist.all_gather_object(claims, claim)
+    best = max(claims)
+    if best == 0:
+        raise ValueError("no process can be the controller (no node has a last local rank?)")
+    return claims.index(best)
 
 
 @dataclass
@@ -146,17 +142,24 @@ class Layout:
         return self.rank == self.roles.trainers[0]
 
 
-def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float) -> Layout:
-    """Create every group (all ranks, same order) and the sub-meshes this rank belongs to."""
+def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float, message_timeout_s: float,
+                 cuda: bool) -> Layout:
+    """Create every group (all ranks, same order) and the sub-meshes this rank belongs to.
+
+    The controller always runs on the CPU, whatever device its local rank would have had.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
+    idle = datetime.timedelta(seconds=message_timeout_s)
+    if rank == roles.controller:
+        device = torch.device("cpu")
     lay = Layout(rank=rank, roles=roles, device=device)
     trainer_group = dist.new_group(list(roles.trainers), timeout=timeout)
     inference_group = dist.new_group(list(roles.inference), timeout=timeout)
-    sync_backend = "nccl" if device.type == "cuda" or torch.cuda.is_available() else "gloo"
+    sync_backend = "nccl" if cuda else "gloo"
     sync_group = dist.new_group([roles.trainers[0], *roles.inference], timeout=timeout, backend=sync_backend)
     for r in (*roles.trainers, *roles.inference):
-        lay.down[r] = dist.new_group([roles.controller, r], timeout=timeout, backend="gloo")
-        lay.up[r] = dist.new_group([roles.controller, r], timeout=timeout, backend="gloo")
+        lay.down[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
+        lay.up[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
     if rank in roles.trainers:
         lay.trainer_group = trainer_group
         lay.trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp_shard",))

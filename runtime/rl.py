@@ -23,7 +23,8 @@ from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.controller import Controller
 from meshrl.runtime.inference import run_inference
-from meshrl.runtime.layout import CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world, pick_device
+from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
+                                   pick_device, use_cuda)
 from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
 from meshrl.runtime.rundir import log, setup_logging, write_config
 from meshrl.runtime.trainer import Trainer
@@ -36,9 +37,7 @@ def preflight(cfg: RLConfig) -> None:
     """Checks that need no process group: model folder, world size, devices."""
     check_model_source(cfg.model)
     launching.check_world_size(cfg)
-    if cfg.dist.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("dist.device: 'cuda' requested but CUDA is not available")
-    if torch.cuda.is_available() and cfg.dist.device != "cpu":
+    if use_cuda(cfg.dist.device):
         gpus = cfg.layout.num_trainer_ranks + cfg.layout.num_inference_ranks
         if "WORLD_SIZE" not in os.environ and gpus > torch.cuda.device_count():
             raise ValueError(f"layout: {gpus} trainer + inference ranks need {gpus} GPUs, this node has "
@@ -46,25 +45,32 @@ def preflight(cfg: RLConfig) -> None:
 
 
 def launch(cfg: RLConfig) -> int:
-    """Run `cfg` as a torchrun job on this node (the Python entry point); returns the exit code."""
-    try:
-        preflight(cfg)
-    except ValueError as e:
-        launching.fail(str(e))
+    """Run `cfg` as a torchrun job on this node (the Python entry point); returns the exit code.
+
+    Raises ValueError for a config that cannot run here (missing model folder, too few GPUs).
+    """
+    preflight(cfg)
     return launching.launch(cfg, MODULE)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = launching.parse_or_exit(RLConfig, sys.argv[1:] if argv is None else argv, preflight)
     run_dir = Path(cfg.output_dir)
-    device = pick_device(cfg.dist.device)
-    rank, world = init_world(device, cfg.dist.timeout_s)
+    rank = int(os.environ.get("RANK", "0"))
+    launching.guarded(run_dir, rank, "starting", lambda: run_rank(cfg, run_dir))
+
+
+def run_rank(cfg: RLConfig, run_dir: Path) -> None:
+    """Start the process group, agree on roles, build the layout, run this rank's role."""
+    cuda = use_cuda(cfg.dist.device)
+    device = pick_device(cuda)
+    rank, world = init_world(cuda, cfg.dist.timeout_s)
     roles = assign_roles(world, cfg.layout.num_trainer_ranks, cfg.layout.num_inference_ranks, find_controller(device))
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
-    layout = build_layout(roles, rank, device, cfg.dist.timeout_s)
+    layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda)
     log.info("pid %d; roles: controller %d, trainers %s, inference %s; device %s", os.getpid(), roles.controller,
-             roles.trainers, roles.inference, device)
+             roles.trainers, roles.inference, layout.device)
     launching.guarded(run_dir, rank, role, lambda: run_role(cfg, layout))
     dist.destroy_process_group()
 

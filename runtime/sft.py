@@ -10,6 +10,7 @@ before RL begins. The final weights are exported as an HF folder to checkpoints/
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from meshrl.runtime import launch as launching
 from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import SFTConfig
 from meshrl.runtime.engine import NativeEngine, Request, SamplingParams, generate
-from meshrl.runtime.layout import init_world, pick_device
+from meshrl.runtime.layout import init_world, pick_device, use_cuda
 from meshrl.runtime.packing import count_loss_tokens, pack_sft
 from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log, setup_logging, write_config
@@ -40,21 +41,24 @@ def preflight(cfg: SFTConfig) -> None:
 
 
 def launch(cfg: SFTConfig) -> int:
-    """Run `cfg` as a torchrun job on this node; returns the exit code."""
-    try:
-        preflight(cfg)
-    except ValueError as e:
-        launching.fail(str(e))
+    """Run `cfg` as a torchrun job on this node; returns the exit code. Raises ValueError early."""
+    preflight(cfg)
     return launching.launch(cfg, MODULE)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = launching.parse_or_exit(SFTConfig, sys.argv[1:] if argv is None else argv, preflight)
     run_dir = Path(cfg.output_dir)
-    device = pick_device(cfg.dist.device)
-    rank, world = init_world(device, cfg.dist.timeout_s)
+    rank = int(os.environ.get("RANK", "0"))
+    launching.guarded(run_dir, rank, "trainer", lambda: run_rank(cfg, run_dir))
+
+
+def run_rank(cfg: SFTConfig, run_dir: Path) -> None:
+    cuda = use_cuda(cfg.dist.device)
+    device = pick_device(cuda)
+    rank, world = init_world(cuda, cfg.dist.timeout_s)
     setup_logging(run_dir, rank, "trainer")
-    launching.guarded(run_dir, rank, "trainer", lambda: run_sft(cfg, rank, world, device))
+    run_sft(cfg, rank, world, device)
     dist.destroy_process_group()
 
 
@@ -68,7 +72,7 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
     parallelize(model, mesh, compute_dtype(cfg.model, device))
     trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, world)
     metrics = MetricsWriter(run_dir) if leader else None
-    progress = ProgressLine(cfg.max_steps, leader and True, "sft")
+    progress = ProgressLine(cfg.max_steps, leader, "sft")
     if leader:
         write_config(run_dir, cfg.model_dump_json(indent=2))
     evaluator = Evaluator(cfg, env, tokenizer, device) if cfg.eval_every else None
@@ -82,7 +86,9 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
             examples.append((prompt, completion))
         batches = pack_sft(examples, cfg.trainer.micro_batch_tokens, world, pad_id=tokenizer.pad_token_id or 0)
         stats = trainer.sft_step(batches[rank], count_loss_tokens(batches))
-        row = {"step": step, **stats, "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9)}
+        row = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+               "tokens/train": stats["train_tokens"], "time/train_s": stats["train_time_s"],
+               "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9)}
         if evaluator is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps):
             row["eval/reward"] = evaluator.run(model, leader)
         if leader:
@@ -109,7 +115,7 @@ class Evaluator:
             return float("nan")
         if self.copy is None:
             self.copy, _ = build_policy(self.cfg.model, self.device, torch.float32, tokenizer=self.tokenizer)
-        self.copy.load_state_dict(state, strict=False)
+        self.copy.load_state_dict(state, strict=True)
         tok = self.tokenizer
         prompts = [tok.encode(ex.prompt, add_special_tokens=False) for ex in self.examples]
         max_len = max(len(p) for p in prompts) + self.cfg.max_tokens + 1

@@ -47,7 +47,10 @@ class Message:
 def _flatten(td: TensorDict) -> tuple[list[list[Any]], torch.Tensor]:
     leaves, chunks = [], []
     for key, value in td.items(include_nested=True, leaves_only=True):
-        name = ".".join(key) if isinstance(key, tuple) else key
+        parts = key if isinstance(key, tuple) else (key,)
+        if any("." in part for part in parts):
+            raise ValueError(f"transport keys may not contain '.', got {parts}")
+        name = ".".join(parts)
         t = value.detach().to("cpu").contiguous()
         leaves.append([name, str(t.dtype), list(t.shape)])
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)

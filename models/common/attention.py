@@ -3,7 +3,8 @@
 A model never decides *which* tokens attend to which: it computes q, k, v per layer (with
 RoPE and qk-norm already applied) and hands them to an `AttentionContext`. The trainer passes a
 context for causal or packed (document-masked) training rows; the inference engine passes its
-own context that writes k, v into a paged KV cache and attends over the cached prefix. The
+own context that writes k, v into its KV cache (one slot per sequence today, paged later)
+and attends over the cached prefix. The
 same model code therefore serves both, and the engine never forks the model file.
 
 A context object lives for one forward pass. Anything derived from the batch layout (masks,

@@ -48,7 +48,7 @@ def make_samples() -> list[Sample]:
 
 def _job(rank, world_size, out):
     roles = assign_roles(world_size, 2, 1, controller=world_size - 1)
-    lay = build_layout(roles, rank, torch.device("cpu"), timeout_s=120)
+    lay = build_layout(roles, rank, torch.device("cpu"), timeout_s=120, message_timeout_s=120, cuda=False)
     if lay.role == "controller":
         batches = pack(make_samples(), SEQ_LEN, 2)
         n = count_loss_tokens(batches)

@@ -127,3 +127,12 @@ def test_rank_module_rejects_a_wrong_world_size(tmp_path):
                        env=env, timeout=120)
     assert r.returncode == 2
     assert "lays out 3 ranks but torchrun started 5" in r.stderr
+
+
+def test_env_overrides_alone_select_the_default_env(tmp_path):
+    a = write(tmp_path, "a.toml", BASE)
+    cfg, _ = load_config(RLConfig, ["@", a, "--env.seed", "3"])
+    assert cfg.env.name == "reverse-text" and cfg.env.seed == 3
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, ["@", a, "--env.min-words", "3", "--env.max-words", "2"])
+    assert str(e.value) == "config error: env.min_words (3) > env.max_words (2)"
