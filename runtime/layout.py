@@ -110,8 +110,10 @@ def find_controller(device: torch.device) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     claim = 2 if device.type == "cpu" and torch.cuda.is_available() else int(local_rank == local_world - 1)
-    claims = [0] * dist.get_world_size()
-    dist.all_gather_object(claims, claim)
+    # a CPU tensor, so the default group's gloo backend carries it even on GPU nodes
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([claim], dtype=torch.int64))
+    claims = [int(t) for t in gathered]
     best = max(claims)
     if best == 0:
         raise ValueError("no process can be the controller (no node has a last local rank?)")
