@@ -1,5 +1,6 @@
 """Configuration: composition order, overrides, and one readable line for every bad input."""
 
+import os
 import subprocess
 import sys
 
@@ -122,7 +123,7 @@ def test_cli_bad_config_exits_2_with_one_line_before_any_process_group(tmp_path)
 
 def test_rank_module_rejects_a_wrong_world_size(tmp_path):
     a = write(tmp_path, "a.toml", BASE)
-    env = {"WORLD_SIZE": "5", "RANK": "0", "LOCAL_RANK": "0", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "WORLD_SIZE": "5", "RANK": "0", "LOCAL_RANK": "0"}
     r = subprocess.run([sys.executable, "-m", "meshrl.runtime.rl", "@", a], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 2
