@@ -7,7 +7,6 @@ transformers and our engine load. The folder appears atomically (written beside,
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 

@@ -89,6 +89,14 @@ def report_failure(run_dir: Path, code: int) -> None:
         print(f"meshrl: {who} {what}: {last}  (traceback: {path})", file=sys.stderr)
 
 
+def rank_main(cls: type[Base], argv: list[str], preflight: Callable[[Base], None], role: str,
+              body: Callable[[Base, Path], None]) -> None:
+    """The start of every rank program: validate, then run `body(cfg, run_dir)` guarded."""
+    cfg, _ = parse_or_exit(cls, argv, preflight)
+    run_dir = Path(cfg.output_dir)
+    guarded(run_dir, int(os.environ.get("RANK", "0")), role, lambda: body(cfg, run_dir))
+
+
 def guarded(run_dir: Path, rank: int, role: str, fn: Callable[[], None]) -> None:
     """Run a rank's program; on any exception record it and exit immediately with status 1."""
     try:

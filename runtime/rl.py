@@ -54,10 +54,7 @@ def launch(cfg: RLConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, _ = launching.parse_or_exit(RLConfig, sys.argv[1:] if argv is None else argv, preflight)
-    run_dir = Path(cfg.output_dir)
-    rank = int(os.environ.get("RANK", "0"))
-    launching.guarded(run_dir, rank, "starting", lambda: run_rank(cfg, run_dir))
+    launching.rank_main(RLConfig, sys.argv[1:] if argv is None else argv, preflight, "starting", run_rank)
 
 
 def run_rank(cfg: RLConfig, run_dir: Path) -> None:

@@ -10,7 +10,6 @@ before RL begins. The final weights are exported as an HF folder to checkpoints/
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -47,10 +46,7 @@ def launch(cfg: SFTConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, _ = launching.parse_or_exit(SFTConfig, sys.argv[1:] if argv is None else argv, preflight)
-    run_dir = Path(cfg.output_dir)
-    rank = int(os.environ.get("RANK", "0"))
-    launching.guarded(run_dir, rank, "trainer", lambda: run_rank(cfg, run_dir))
+    launching.rank_main(SFTConfig, sys.argv[1:] if argv is None else argv, preflight, "trainer", run_rank)
 
 
 def run_rank(cfg: SFTConfig, run_dir: Path) -> None:

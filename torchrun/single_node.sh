@@ -10,8 +10,9 @@
 #   sft: num_ranks
 # On a mismatch the ranks exit 2 (local rank 0 prints "the config lays out N ranks but torchrun started M")
 # before any process group starts; torchrun then reports the failed ranks.
-# On a CUDA node, rl needs exactly num_trainer_ranks + num_inference_ranks visible GPUs (set
-# CUDA_VISIBLE_DEVICES): the controller is the process whose local rank has no GPU.
+# On a CUDA node, rl needs num_trainer_ranks + num_inference_ranks visible GPUs (set
+# CUDA_VISIBLE_DEVICES): the controller is the process whose local rank has no GPU (or, with more
+# GPUs visible, the last local rank, whose GPU then idles).
 #
 # Unlike `meshrl rl|sft`, this neither clears old RUN_DIR/logs/error-rank*.txt files nor prints a
 # failure summary; after a failure read RUN_DIR/logs/ (error-rank{R}.txt, rank{R}-{role}.log).
