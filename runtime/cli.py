@@ -1,8 +1,9 @@
-"""The `meshrl` command: `meshrl rl|sft @ cfg.toml [--dotted.key value ...]`.
+"""The `meshrl` command: `meshrl rl|sft @ cfg.toml [--dotted.key value ...]`, `meshrl plot RUN_DIR`.
 
-Each sub-command validates its config on this process (a mistake exits 2 with one line,
+Each training sub-command validates its config on this process (a mistake exits 2 with one line,
 before any process group exists), then starts torchrun with the rank module on the resolved
-config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`.
+config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`. `bench` and
+`plot` live in their own modules (runtime/bench.py, runtime/plot.py), imported on use.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ commands:
   rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
   sft    supervised fine-tuning on an environment's reference completions
   bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL)
+  plot   charts of a run: `meshrl plot RUN_DIR [--out DIR]` writes PNGs (default RUN_DIR/plots)
 
 examples:
   meshrl sft @ configs/reverse_text/sft.toml --output-dir runs/sft
   meshrl rl @ configs/reverse_text/rl.toml --trainer.optim.lr 3e-4 --max-steps 40
+  meshrl plot runs/rl
 """
 
 
@@ -32,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.runtime import bench
 
         bench.main(rest)
+        return
+    if command == "plot":
+        from meshrl.runtime import plot
+
+        plot.main(rest)
         return
     if command == "rl":
         from meshrl.runtime import rl as module

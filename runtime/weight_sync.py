@@ -58,10 +58,17 @@ def send_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int, dt
     tensors = full_tensors(model)
     sent = 0
     for bucket in plan:
-        parts = [next(tensors)[1] for _ in bucket]
-        if group is None:
+        numel = sum(math.prod(shapes[i][1]) for i in bucket)
+        # cast straight into the bucket: no per-parameter temporary, no concatenation
+        flat = torch.empty(numel, dtype=dtype, device=device) if group is not None else None
+        offset = 0
+        for _ in bucket:
+            t = next(tensors)[1]
+            if flat is not None:
+                flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+        if flat is None:
             continue
-        flat = torch.cat([t.to(device=device, dtype=dtype).reshape(-1) for t in parts])
         dist.broadcast(flat, src=src, group=group)
         sent += flat.numel() * flat.element_size()
     assert next(tensors, None) is None, "bucket plan does not cover every parameter"
