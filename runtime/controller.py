@@ -124,6 +124,7 @@ class Controller:
         self.inbox = transport.Inbox()
         self.progress = ProgressLine(cfg.max_steps, cfg.log.console, "rl")
         self.final: dict[str, float] = {}
+        self._pending_stats: dict[str, float] = {}  # rollout statistics of the step being trained
 
     # ------------------------------------------------------------------ loop
 
