@@ -68,13 +68,13 @@ def run_rank(cfg: RLConfig, run_dir: Path) -> None:
     layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda)
     log.info("pid %d; roles: controller %d, trainers %s, inference %s; device %s", os.getpid(), roles.controller,
              roles.trainers, roles.inference, layout.device)
-    launching.guarded(run_dir, rank, role, lambda: run_role(cfg, layout))
+    # guarded again, now that the role is known: the error file names it
+    launching.guarded(run_dir, rank, role, lambda: run_role(cfg, layout, run_dir))
     dist.destroy_process_group()
 
 
-def run_role(cfg: RLConfig, layout: Layout) -> None:
+def run_role(cfg: RLConfig, layout: Layout, run_dir: Path) -> None:
     if layout.role == CONTROLLER:
-        run_dir = Path(cfg.output_dir)
         write_config(run_dir, cfg.model_dump_json(indent=2))
         tokenizer = load_tokenizer_for(cfg.model)
         env = make_env(cfg.env.name, **cfg.env.kwargs())
@@ -90,16 +90,15 @@ def run_trainer(cfg: RLConfig, layout: Layout) -> None:
     device = layout.device
     tokenizer = load_tokenizer_for(cfg.model)
     model, args = build_policy(cfg.model, device, torch.float32, tokenizer=tokenizer)
-    parallelize(model, layout.trainer_mesh, compute_dtype(cfg.model, device))
-    dp = cfg.layout.num_trainer_ranks
-    trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, dp)
-    sync_dtype = compute_dtype(cfg.model, device)
+    dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
+    parallelize(model, layout.trainer_mesh, dtype)
+    trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, cfg.layout.num_trainer_ranks)
     src = layout.roles.trainers[0]
     leader = layout.is_trainer_leader
 
     def sync() -> float:
         start = time.perf_counter()
-        weight_sync.send_weights(model, layout.sync_group if leader else None, src, sync_dtype,
+        weight_sync.send_weights(model, layout.sync_group if leader else None, src, dtype,
                                  cfg.weight_sync.bucket_mb, device)
         return time.perf_counter() - start
 
