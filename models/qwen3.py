@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshrl.models.common.attention import AttentionContext, CausalAttention
+from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, apply_rope
 
@@ -277,9 +277,15 @@ class Qwen3(nn.Module):
             h = block(h, cos, sin, attn)
         return self.norm(h)
 
-    def forward(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None) -> Tensor:
-        """tokens, positions (B, T) int64 -> logits (B, T, vocab_size) in the parameter dtype."""
-        return F.linear(self.hidden(tokens, positions, attn), self.output_weight)
+    def forward(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None,
+                head: OutputHead | None = None) -> Any:
+        """tokens, positions (B, T) int64 -> logits (B, T, vocab_size) in the parameter dtype.
+
+        With `head`, returns `head(hidden, output_weight)` instead: the trainer's chunked
+        logprob head runs here, inside the root FSDP unit, where the LM head is unsharded.
+        """
+        h = self.hidden(tokens, positions, attn)
+        return F.linear(h, self.output_weight) if head is None else head(h, self.output_weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -16,7 +16,7 @@ would add it to the protocol.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,17 @@ from torch import Tensor
 class AttentionContext(Protocol):
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (B, Hq, T, D); k, v (B, Hkv, T, D), RoPE and qk-norm already applied. Returns (B, Hq, T, D)."""
+        ...
+
+
+class OutputHead(Protocol):
+    def __call__(self, hidden: Tensor, weight: Tensor) -> Any:
+        """hidden (B, T, dim) final-normed states; weight (V, dim) the LM head. Returns anything.
+
+        A model's `forward(tokens, positions, attn, head)` calls this instead of computing the
+        (B, T, V) logits, so a caller can compute what it needs (e.g. logprobs of targets in
+        chunks) while the LM head is unsharded inside the model's forward.
+        """
         ...
 
 
