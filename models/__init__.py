@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import qwen3
+from meshrl.models import llama3, qwen3
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=qwen3.FLAVORS,
         state_dict_adapter=qwen3.Qwen3StateDictAdapter,
         parallel_plan=qwen3.PARALLEL_PLAN,
+    ),
+    "llama": ModelFamily(
+        name="llama",
+        args_cls=llama3.Llama3Args,
+        model_cls=llama3.Llama3,
+        flavors=llama3.FLAVORS,
+        state_dict_adapter=llama3.Llama3StateDictAdapter,
+        parallel_plan=llama3.PARALLEL_PLAN,
     ),
 }
 

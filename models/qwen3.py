@@ -4,7 +4,7 @@ One file holds everything a family needs:
 
 - `Qwen3Args` and its conversion to and from an HF `config.json` dict;
 - `FLAVORS`: a tiny "debug" model for tests and the real Qwen3 shapes;
-- the modules (`Attention`, `FeedForward`, `TransformerBlock`, `Qwen3`);
+- the modules (`Attention`, `TransformerBlock`, `Qwen3`; the SwiGLU `FeedForward` is shared, in common/ffn.py);
 - `PARALLEL_PLAN`: which submodules are FSDP units / how TP would split them, as data;
 - `Qwen3StateDictAdapter`: the explicit key map between our names and HF's.
 
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
+from meshrl.models.common.ffn import FeedForward
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, apply_rope
 
@@ -209,19 +210,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate_proj, w3 = up_proj, w2 = down_proj in HF."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -13,18 +13,62 @@ arbitrary offsets). The numerics follow HF Qwen3 / Llama ("default" rope type) e
 meta-built model, would be cast to bf16 by `model.to(torch.bfloat16)`, and would need special
 handling in every state-dict path. Instead it is computed on the CPU (the same kernel HF uses, so
 the values are bit-identical) and cached per device on first use.
+
+A family with scaled frequencies passes its settings in as a frozen dataclass
+(`Llama3RopeScaling` today); `scaling=None` is the default path above, unchanged.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency scaling (HF rope_type "llama3"), used to stretch the context.
+
+    Wavelengths shorter than original_max_seq_len / high_freq_factor keep their frequency,
+    wavelengths longer than original_max_seq_len / low_freq_factor are slowed down by `factor`,
+    and the band in between is interpolated linearly in original_max_seq_len / wavelength.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"llama3 rope scaling factor must be positive, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.original_max_seq_len <= 0:
+            raise ValueError(f"llama3 rope original_max_seq_len must be positive, got {self.original_max_seq_len}")
+
+
+def _llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
+    # Same fp32 operations in the same order as transformers' llama3 init, so the result is
+    # bit-identical (the medium band is sensitive to rounding of the smoothing weight).
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> Tensor:
     """Inverse frequencies (head_dim // 2,) in fp32 on the CPU, exactly as HF computes them."""
     assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -47,16 +91,17 @@ class RotaryEmbedding(nn.Module):
     dtype casts and FSDP; `inv_freq` is cached per device outside the state dict.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
         self._inv_freq: dict[torch.device, Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> Tensor:
         """(head_dim // 2,) fp32 on `device`; computed on the CPU once, then copied."""
         if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.head_dim, self.theta).to(device)
+            self._inv_freq[device] = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         return self._inv_freq[device]
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -66,4 +111,5 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, theta={self.theta}{scaling}"

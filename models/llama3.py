@@ -1,0 +1,432 @@
+"""Llama 3 dense decoder (3.1 8B/70B, 3.2 1B/3B), written against the `AttentionContext` contract.
+
+One file holds everything a family needs:
+
+- `Llama3Args` and its conversion to and from an HF `config.json` dict (model_type "llama");
+- `FLAVORS`: a tiny "debug" model for tests and the real Llama 3.1 / 3.2 shapes;
+- the modules (`Attention`, `TransformerBlock`, `Llama3`; the SwiGLU `FeedForward` is shared);
+- `PARALLEL_PLAN`: which submodules are FSDP units / how TP would split them, as data;
+- `Llama3StateDictAdapter`: the explicit key map between our names and HF's.
+
+Against Qwen3 the differences are: no RMSNorm on q and k, head_dim = dim // n_heads unless the
+config names one, and the Llama 3.1 "llama3" RoPE frequency scaling (common/rope.py).
+
+Our parameter names (torchtitan style) and their HF counterparts:
+
+    tok_embeddings.weight                   model.embed_tokens.weight
+    layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.wq.weight          model.layers.{i}.self_attn.q_proj.weight
+    layers.{i}.attention.wk.weight          model.layers.{i}.self_attn.k_proj.weight
+    layers.{i}.attention.wv.weight          model.layers.{i}.self_attn.v_proj.weight
+    layers.{i}.attention.wo.weight          model.layers.{i}.self_attn.o_proj.weight
+    layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight       model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w2.weight       model.layers.{i}.mlp.down_proj.weight
+    layers.{i}.feed_forward.w3.weight       model.layers.{i}.mlp.up_proj.weight
+    norm.weight                             model.norm.weight
+    output.weight                           lm_head.weight      (absent when embeddings are tied)
+
+With tied embeddings (Llama 3.2 1B and 3B) the model has no `output` module: the LM head *is*
+`tok_embeddings.weight` (see `Llama3.output_weight`), stored and sharded once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
+from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.norm import RMSNorm
+from meshrl.models.common.rope import Llama3RopeScaling, RotaryEmbedding, apply_rope
+
+MODEL_TYPE = "llama"
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+# --------------------------------------------------------------------------------------------
+# Args and flavors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Llama3Args:
+    """Shape of a Llama 3 model. Field names are ours; `from_hf_config` maps HF's names.
+
+    `head_dim=None` means dim // n_heads (resolved on construction, so two args that describe
+    the same model compare equal). `rope_scaling=None` is plain RoPE.
+    """
+
+    vocab_size: int = 128
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None
+    hidden_dim: int = 128
+    rope_theta: float = 500_000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 131072
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(f"dim ({self.dim}) is not a multiple of n_heads ({self.n_heads}); set head_dim")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> Llama3Args:
+        """Read an HF Llama `config.json` dict; features this file does not implement raise ValueError."""
+        if config.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"expected model_type {MODEL_TYPE!r}, got {config.get('model_type')!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Llama hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+        if config.get("attention_bias", False):
+            raise ValueError("Llama with attention_bias=true is not supported")
+        if config.get("mlp_bias", False):
+            raise ValueError("Llama with mlp_bias=true is not supported")
+        if config.get("attention_dropout", 0.0):
+            raise ValueError(f"Llama with attention_dropout={config['attention_dropout']} is not supported")
+        rope_theta, rope_scaling = _rope_from_hf(config)
+        n_heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            hidden_dim=config["intermediate_size"],
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            # transformers' LlamaConfig defaults, for keys a config leaves out.
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            max_seq_len=config.get("max_position_embeddings", 2048),
+        )
+
+    def to_hf_config(
+        self,
+        dtype: torch.dtype | str = torch.float32,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> dict[str, Any]:
+        """An HF `config.json` dict that transformers' LlamaForCausalLM loads (4.5x and 5.x)."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        # transformers 4.x reads rope_theta + rope_scaling; 5.x reads rope_parameters, but lets a
+        # rope_scaling key override it (filling rope_theta from the top level), so both agree.
+        rope_scaling = None
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_scaling = {
+                "rope_type": "llama3",
+                "factor": self.rope_scaling.factor,
+                "low_freq_factor": self.rope_scaling.low_freq_factor,
+                "high_freq_factor": self.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": self.rope_scaling.original_max_seq_len,
+            }
+            rope_parameters = {**rope_scaling, "rope_theta": self.rope_theta}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "pretraining_tp": 1,
+            "use_cache": True,
+            "initializer_range": 0.02,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+            # 4.x reads torch_dtype, 5.x reads dtype.
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+
+
+def _rope_from_hf(config: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from either config spelling.
+
+    transformers 4.x: top-level rope_theta plus an optional rope_scaling dict. 5.x: one
+    rope_parameters dict holding rope_theta too. Like 5.x, a rope_scaling key wins when present.
+    """
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"only 'default' and 'llama3' RoPE are supported, got rope_type {rope_type!r} "
+                         f"(rope_scaling={config.get('rope_scaling')!r}, "
+                         f"rope_parameters={config.get('rope_parameters')!r})")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported, got partial_rotary_factor={partial}")
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10_000.0)))
+    if rope_type == "default":
+        return theta, None
+    missing = [key for key in _LLAMA3_ROPE_KEYS if key not in rope]
+    if missing:
+        raise ValueError(f"llama3 RoPE parameters lack {missing}: {rope!r}")
+    # transformers' order: a top-level original_max_position_embeddings, then the rope dict's,
+    # then max_position_embeddings.
+    original = config.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings", config.get("max_position_embeddings", 2048))
+    scaling = Llama3RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(original),
+    )
+    return theta, scaling
+
+
+def _llama3_1(**shape: Any) -> Llama3Args:
+    return Llama3Args(vocab_size=128256, rope_theta=500_000.0, norm_eps=1e-5, max_seq_len=131072, **shape)
+
+
+# Llama 3.1 stretches an 8192-token pretraining context 8x; 3.2 (1B, 3B) 32x.
+_ROPE_3_1 = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_ROPE_3_2 = Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
+FLAVORS: dict[str, Llama3Args] = {
+    # Scaling with a 256-token original context, so a head_dim of 16 has frequencies in all
+    # three bands (kept, interpolated, divided by factor).
+    "debug": Llama3Args(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                        rope_theta=500_000.0, max_seq_len=2048, tie_embeddings=True,
+                        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_seq_len=256)),
+    "1B": _llama3_1(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192, rope_scaling=_ROPE_3_2,
+                    tie_embeddings=True),
+    "3B": _llama3_1(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, hidden_dim=8192, rope_scaling=_ROPE_3_2,
+                    tie_embeddings=True),
+    "8B": _llama3_1(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336, rope_scaling=_ROPE_3_1),
+    "70B": _llama3_1(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, rope_scaling=_ROPE_3_1),
+}
+
+# Sharding plan as data, consumed by parallel/. Module paths are relative to `Llama3`; "*" matches
+# one path component. FSDP2 wraps every block, then the root (embedding, final norm, untied head).
+# TP: the Megatron split; attention reshapes with -1 heads so it runs on a shard's local heads.
+PARALLEL_PLAN: dict[str, Any] = {
+    "fsdp_units": ["layers.*"],
+    "tp": {
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """GQA self-attention, no biases, no q/k norm."""
+
+    def __init__(self, args: Llama3Args, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        # x: (B, T, dim); cos, sin: (B, T, head_dim) -> (B, T, dim)
+        B, T, _ = x.shape
+        # -1 heads: under TP the projections are column-sharded and hold only the local heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, k, cos, sin)
+        out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)). The unit FSDP2 wraps."""
+
+    def __init__(self, args: Llama3Args, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        # x: (B, T, dim) -> (B, T, dim)
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama3(nn.Module):
+    """Llama 3 causal LM. Build on the meta device, then `to_empty()` + `init_weights()` or a load.
+
+    `forward(tokens, positions, attn)` -> logits; `hidden(...)` -> final-normed hidden states and
+    `output_weight` for callers that compute logprobs in chunks without materialising (B, T, V).
+    """
+
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        # A ModuleDict keyed "0".."n-1" keeps the HF-like key names and lets a pipeline stage
+        # delete blocks without renumbering the rest.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The LM head matrix (V, dim): `tok_embeddings.weight` when embeddings are tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None) -> Tensor:
+        """tokens, positions (B, T) int64 -> final-normed hidden states (B, T, dim).
+
+        `positions` are explicit (each packed document restarts at 0); `attn` decides the
+        attention pattern, plain causal over the row when None.
+        """
+        assert tokens.shape == positions.shape, f"tokens {tuple(tokens.shape)} vs positions {tuple(positions.shape)}"
+        attn = CausalAttention() if attn is None else attn
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = self.rope(positions, dtype=h.dtype)  # (B, T, head_dim), once for all layers
+        for block in self.layers.values():
+            h = block(h, cos, sin, attn)
+        return self.norm(h)
+
+    def forward(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None,
+                head: OutputHead | None = None) -> Any:
+        """tokens, positions (B, T) int64 -> logits (B, T, vocab_size) in the parameter dtype.
+
+        With `head`, returns `head(hidden, output_weight)` instead: the trainer's chunked
+        logprob head runs here, inside the root FSDP unit, where the LM head is unsharded.
+        """
+        h = self.hidden(tokens, positions, attn)
+        return F.linear(h, self.output_weight) if head is None else head(h, self.output_weight)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place (call after `to_empty()` when built on meta).
+
+        Scheme (the same as Qwen3's): embedding and all linear weights ~ N(0, 0.02), except the
+        two residual output projections of every block (attention.wo, feed_forward.w2), which use
+        the depth-scaled std 0.02 / sqrt(2 * n_layers) (GPT-2) so the residual stream's variance
+        does not grow with depth; the untied LM head ~ N(0, 0.02); all RMSNorm weights = 1.
+        There are no biases. With `seed`, a private generator on the parameters' device makes
+        the result reproducible without touching the global RNG; without it the global RNG is used.
+        """
+        device = self.tok_embeddings.weight.device
+        gen = None
+        if seed is not None and device.type != "meta":
+            gen = torch.Generator(device=device).manual_seed(seed)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_residual_out else std, generator=gen)
+
+
+# --------------------------------------------------------------------------------------------
+# HF state-dict adapter
+# --------------------------------------------------------------------------------------------
+
+# Per-block names; "{i}" is the layer index.
+_BLOCK_KEYS: dict[str, str] = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_TOP_KEYS: dict[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+class Llama3StateDictAdapter:
+    """Renames state-dict keys between our layout and HF's; values pass through untouched
+    (so it works on DTensors and on gradients as well as on plain weights).
+
+    Unknown keys raise ValueError naming the key. Tied embeddings: `to_hf` writes no
+    lm_head.weight; `from_hf` drops one if present (some checkpoints store the copy).
+    RoPE needs no weights: HF's `rotary_emb.inv_freq` is a non-persistent buffer.
+    """
+
+    def __init__(self, args: Llama3Args) -> None:
+        self.args = args
+        self._from_hf_block = {v: k for k, v in _BLOCK_KEYS.items()}
+        self._from_hf_top = {v: k for k, v in _TOP_KEYS.items()}
+
+    def _layer(self, index: str, key: str) -> str:
+        if int(index) >= self.args.n_layers:
+            raise ValueError(f"state-dict key {key!r} names layer {index}, but the model has {self.args.n_layers}")
+        return index
+
+    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            if key == "output.weight" and self.args.tie_embeddings:
+                raise ValueError("state dict has 'output.weight' but the model ties its embeddings")
+            if key in _TOP_KEYS:
+                out[_TOP_KEYS[key]] = value
+            elif (m := _OURS_BLOCK.fullmatch(key)) and m.group(2) in _BLOCK_KEYS:
+                out[f"model.layers.{self._layer(m.group(1), key)}.{_BLOCK_KEYS[m.group(2)]}"] = value
+            else:
+                raise ValueError(f"unknown Llama 3 state-dict key {key!r}")
+        return out
+
+    def from_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            if key == "lm_head.weight" and self.args.tie_embeddings:
+                continue  # the tied head is tok_embeddings.weight itself
+            if key in self._from_hf_top:
+                out[self._from_hf_top[key]] = value
+            elif (m := _HF_BLOCK.fullmatch(key)) and m.group(2) in self._from_hf_block:
+                out[f"layers.{self._layer(m.group(1), key)}.{self._from_hf_block[m.group(2)]}"] = value
+            else:
+                raise ValueError(f"unknown HF Llama state-dict key {key!r}")
+        return out
