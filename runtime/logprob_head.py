@@ -1,0 +1,147 @@
+"""A chunked LM head: target log-probabilities and entropy without the (B, T, V) logits.
+
+At V = 151936 and 16k tokens a row, the fp32 logits `algorithms.token_logprobs` keeps for
+backward are ~9.3 GiB, plus their input-dtype copy. Here the flattened tokens are processed
+`chunk_tokens` at a time: forward keeps only the per-token logsumexp, and backward recomputes
+each chunk's logits from (hidden, weight), so at most one chunk of logits is alive at a time.
+
+The numbers are those of `algorithms.token_logprobs(F.linear(hidden, weight), targets, T)`:
+logits in the input dtype, divided by the temperature in fp32, `log p(target) = z[target] -
+logsumexp(z)`, entropy detached. The trainer passes a `LogprobHead` to
+`model(tokens, positions, attn, head=...)`, which calls it inside the model's forward where
+the LM head weight is unsharded (FSDP2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["chunked_token_logprobs", "LogprobHead", "default_chunk_tokens"]
+
+# Chunk size by memory budget rather than a fixed token count: the cost of a chunk is its
+# fp32 logits, chunk * V * 4 bytes (backward holds about twice that: the fp32 softmax, made in
+# place, plus the input-dtype logits and dlogits). 1 GiB gives ~1.7k tokens at V = 152k, where
+# the (chunk x dim) @ (dim x V) matmul is still large enough to keep a GPU's tensor cores busy
+# (> 1 TFLOP per chunk at dim = 4096), and a whole small-vocabulary row in one chunk.
+_CHUNK_BYTES = 1 << 30
+# Multiples of 128 rows keep the matmul tiles full.
+_CHUNK_ALIGN = 128
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk whose fp32 logits fit in `_CHUNK_BYTES`, a multiple of 128 (at least 128)."""
+    tokens = _CHUNK_BYTES // (4 * vocab_size)
+    return max(_CHUNK_ALIGN, tokens // _CHUNK_ALIGN * _CHUNK_ALIGN)
+
+
+def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                           chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of `targets` and entropy of softmax(hidden @ weight.T / temperature).
+
+    Args:
+        hidden: (B, T, dim) final-normed hidden states, any float dtype.
+        weight: (V, dim) LM head, same dtype as `hidden`.
+        targets: (B, T) int64 token ids in [0, V).
+        temperature: > 0.
+        chunk_tokens: tokens per chunk (of the B * T flattened tokens); None picks
+            `default_chunk_tokens(V)`.
+
+    Returns:
+        logprobs: (B, T) fp32, differentiable w.r.t. `hidden` and `weight`.
+        entropy: (B, T) fp32, detached (a metric, not a loss term).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"expected hidden (B, T, dim) and weight (V, dim), got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be (B, T) = {tuple(hidden.shape[:2])}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0])
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    B, T, dim = hidden.shape
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden.reshape(B * T, dim), weight, targets.reshape(B * T),
+                                               float(temperature), int(chunk_tokens))
+    return logprobs.view(B, T), entropy.view(B, T)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(N, dim), (V, dim), (N,) -> logprobs (N,), entropy (N,); saves no logits for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                chunk_tokens: int) -> tuple[Tensor, Tensor]:
+        N = hidden.shape[0]
+        logprobs = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        for start in range(0, N, chunk_tokens):
+            end = min(start + chunk_tokens, N)
+            # The matmul in the input dtype (like F.linear in the unchunked path), then fp32.
+            z = (hidden[start:end] @ weight.T).float().div_(temperature)  # (n, V) fp32
+            lse_c = torch.logsumexp(z, dim=-1)  # (n,)
+            target_z = z.gather(-1, targets[start:end, None]).squeeze(-1)  # (n,)
+            logprobs[start:end] = target_z - lse_c
+            lse[start:end] = lse_c
+            # H = lse - sum_v p_v z_v, as algorithms._entropy computes it.
+            p = torch.exp(z - lse_c[:, None])  # (n, V)
+            entropy[start:end] = lse_c - p.mul_(z).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.chunk_tokens = chunk_tokens
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        temperature, chunk_tokens = ctx.temperature, ctx.chunk_tokens
+        N = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Partial weight gradients are summed in fp32 (one matmul per chunk would otherwise
+        # round the running sum to bf16 each time); cast to the weight dtype at the end.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_logprobs = grad_logprobs.float()
+        for start in range(0, N, chunk_tokens):
+            end = min(start + chunk_tokens, N)
+            h = hidden[start:end]  # (n, dim)
+            z = (h @ weight.T).float().div_(temperature)  # (n, V) fp32, as in forward
+            # d logprob / d z = onehot(target) - softmax(z); built in place in z's storage.
+            dz = z.sub_(lse[start:end, None]).exp_().neg_()  # (n, V) = -softmax(z)
+            dz.scatter_add_(-1, targets[start:end, None], torch.ones_like(dz[:, :1]))
+            # Chain rule through z = logits / temperature; the matmuls run in the input dtype.
+            dlogits = dz.mul_(grad_logprobs[start:end, None] / temperature).to(hidden.dtype)  # (n, V)
+            if need_hidden:
+                grad_hidden[start:end] = dlogits @ weight
+            if need_weight and dlogits.dtype == torch.float32:
+                grad_weight.addmm_(dlogits.T, h)  # no (V, dim) temporary
+            elif need_weight:
+                grad_weight.add_(dlogits.T @ h)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+class LogprobHead:
+    """An `OutputHead` (models/common/attention.py) returning `chunked_token_logprobs`.
+
+    Usage: `logprobs, entropy = model(tokens, positions, attn, head=LogprobHead(targets, T))`,
+    each (B, T) fp32.
+    """
+
+    def __init__(self, targets: Tensor, temperature: float, chunk_tokens: int | None = None) -> None:
+        self.targets = targets  # (B, T) int64
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return chunked_token_logprobs(hidden, weight, self.targets.to(hidden.device), self.temperature,
+                                      self.chunk_tokens)
