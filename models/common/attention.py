@@ -12,11 +12,24 @@ cache slots) is built on the first `attend` call and reused by every layer.
 
 Softmax scale is always 1 / sqrt(head_dim) (Qwen3, Llama); a family that needs another scale
 would add it to the protocol.
+
+Packed-document backends (`make_document_attention` picks one), all with the same numbers:
+
+- "sdpa"  `DocumentCausalAttention`: SDPA with a dense (B, 1, T, T) boolean mask. Any device,
+  any B; the mask costs B * T^2 bytes and the CUDA kernel computes every masked tile.
+- "flex"  `FlexDocumentAttention`: FlexAttention with a block mask, skipping tiles outside the
+  documents; compiled once per process. CUDA for training (no CPU backward in torch).
+- "varlen"  `VarlenDocumentAttention`: torch's flash-attention varlen kernel over cumulative
+  document lengths. CUDA, B == 1, contiguous documents, bf16/fp16; torch >= 2.10.
+- "flash_attn"  the same with the flash-attn package's varlen function, when it is installed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import functools
+import importlib.util
+import inspect
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +111,190 @@ def document_ids_from_positions(positions: Tensor) -> Tensor:
     Padding laid out with position 0 per pad token becomes one-token documents, which is harmless.
     """
     return (positions == 0).long().cumsum(dim=1) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU backends for packed documents.
+
+AttentionBackend = Literal["sdpa", "flex", "varlen", "flash_attn"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex", "varlen", "flash_attn")
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """flex_attention compiled once per process (eager flex materialises the full score matrix).
+
+    Lazy, so importing this module never starts a compile; torch.compile then recompiles with
+    dynamic shapes once a second row length shows up, instead of once per length.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+class FlexDocumentAttention:
+    """Document-causal attention with FlexAttention (packed rows, any B).
+
+    doc_ids (B, T) as for `DocumentCausalAttention`. The block mask (causal & same document) is
+    built on the first `attend` call and reused by every layer; flex skips the key/value tiles
+    it marks empty, which is most of a row of many short documents. `compile=False` runs flex
+    eagerly (unfused, dense scores: for tests); torch has no flex backward on CPU.
+    """
+
+    def __init__(self, doc_ids: Tensor, compile: bool = True) -> None:
+        assert doc_ids.dim() == 2, f"doc_ids must be (B, T), got {tuple(doc_ids.shape)}"
+        self.doc_ids = doc_ids  # (B, T)
+        self.compile = compile
+        self._block_mask: Any = None
+
+    def block_mask(self, device: torch.device) -> Any:
+        """The BlockMask of (kv <= q) & same document, for all heads (H broadcast)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = self.doc_ids.to(device)
+            B, T = doc.shape
+
+            def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+            # Evaluated once per forward over (B, T, T) booleans (a few B * T^2 bytes, freed
+            # right after), then only the (T / 128)^2 block tables remain.
+            self._block_mask = create_block_mask(document_causal, B, None, T, T, device=device)
+        return self._block_mask
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, num_q_heads, T, _ = q.shape
+        assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        if self.compile:
+            flex = _compiled_flex_attention()
+        else:
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        return flex(q, k, v, block_mask=self.block_mask(q.device), enable_gqa=num_q_heads != k.shape[1])
+
+
+def document_cu_seqlens(doc_ids: Tensor) -> tuple[Tensor, int]:
+    """doc_ids (1, T) of contiguous documents -> (cu_seqlens (num_docs + 1,) int32, max doc length).
+
+    cu_seqlens[i] is the row offset where document i starts, cu_seqlens[-1] == T: the layout
+    varlen kernels take. A document id that appears in two separate runs raises ValueError,
+    since varlen would treat the runs as two documents where `DocumentCausalAttention` has one.
+    """
+    if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
+        raise ValueError(f"varlen attention needs one packed row, doc_ids (1, T); got {tuple(doc_ids.shape)}")
+    doc = doc_ids[0]  # (T,)
+    T = doc.shape[0]
+    is_start = torch.ones(T, dtype=torch.bool, device=doc.device)
+    is_start[1:] = doc[1:] != doc[:-1]
+    starts = is_start.nonzero().squeeze(1)  # (num_docs,)
+    if torch.unique(doc).numel() != starts.numel():
+        raise ValueError("varlen attention needs each document's tokens contiguous in the row; "
+                         "use the 'sdpa' or 'flex' backend for interleaved doc_ids")
+    cu_seqlens = torch.cat([starts, starts.new_tensor([T])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def _torch_varlen_attn() -> Any:
+    """torch.nn.attention.varlen.varlen_attn, or None on a torch without it (before 2.10)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return None
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen_attn()).parameters)
+
+
+def _torch_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int) -> Tensor:
+    """q (N, Hq, D), k, v (N, Hkv, D) -> (N, Hq, D) causal within each document.
+
+    The signature moved between releases: 2.10 takes `is_causal`, 2.11 a `window_size`
+    ((-1, 0) is causal), 2.12 adds `enable_gqa`; without it k, v are repeated to Hq heads.
+    """
+    params = _torch_varlen_params()
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            n_rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return _torch_varlen_attn()(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+def _flash_attn_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int) -> Tensor:
+    """The flash-attn package's varlen kernel (GQA native); imported only when used."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
+
+
+class VarlenDocumentAttention:
+    """Document-causal attention with a flash-attention varlen kernel (one packed row).
+
+    doc_ids (1, T) with each document's tokens contiguous (what runtime/packing.py produces).
+    The row is handed to the kernel as (T, H, D) with cumulative document lengths, so no mask
+    exists and no tile outside a document is computed. Flash kernels take bf16/fp16 only.
+    `kernel`: "torch" (torch.nn.attention.varlen, torch >= 2.10) or "flash_attn" (the package).
+    """
+
+    def __init__(self, doc_ids: Tensor, kernel: Literal["torch", "flash_attn"] = "torch") -> None:
+        if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
+            raise ValueError(f"varlen attention needs one packed row, doc_ids (1, T); got {tuple(doc_ids.shape)}")
+        if kernel not in ("torch", "flash_attn"):
+            raise ValueError(f"kernel must be 'torch' or 'flash_attn', got {kernel!r}")
+        self.doc_ids = doc_ids  # (1, T)
+        self.kernel = kernel
+        self._seqlens: tuple[Tensor, int] | None = None
+
+    def cu_seqlens(self, device: torch.device) -> tuple[Tensor, int]:
+        """(cu_seqlens (num_docs + 1,) int32 on `device`, max doc length), computed once per forward."""
+        if self._seqlens is None:
+            cu_seqlens, max_len = document_cu_seqlens(self.doc_ids)
+            self._seqlens = (cu_seqlens.to(device), max_len)
+        return self._seqlens
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, _, T, _ = q.shape
+        assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"varlen (flash) attention needs bf16 or fp16 q/k/v, got {q.dtype}; "
+                             "use the 'sdpa' or 'flex' backend for fp32")
+        cu_seqlens, max_len = self.cu_seqlens(q.device)
+        # (1, H, T, D) -> (T, H, D): the model's q/k/v are views of (T, H, D) projections, so
+        # contiguous() is usually free.
+        q_, k_, v_ = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
+        varlen = _torch_varlen_causal if self.kernel == "torch" else _flash_attn_varlen_causal
+        out = varlen(q_, k_, v_, cu_seqlens, max_len)  # (T, Hq, D)
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def make_document_attention(doc_ids: Tensor, backend: AttentionBackend) -> AttentionContext:
+    """An attention context for packed rows doc_ids (B, T); see the module docstring for backends.
+
+    `doc_ids` must already be on the device the model runs on: that is how the GPU-only
+    backends know they would run on CPU, which they refuse with a ValueError.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend == "sdpa":
+        return DocumentCausalAttention(doc_ids)
+    if backend == "varlen" and _torch_varlen_attn() is None:
+        raise ValueError(f"attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10); "
+                         f"this is torch {torch.__version__}")
+    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attention backend 'flash_attn' needs the flash-attn package, which is not installed; "
+                         "use 'varlen' (torch's own flash varlen kernel) or 'flex'")
+    if backend in ("varlen", "flash_attn") and (doc_ids.dim() != 2 or doc_ids.shape[0] != 1):
+        raise ValueError(f"attention backend {backend!r} needs one packed row, doc_ids (1, T); "
+                         f"got {tuple(doc_ids.shape)}")
+    if doc_ids.device.type != "cuda":
+        why = "torch has no FlexAttention backward on CPU" if backend == "flex" else "flash kernels are CUDA-only"
+        raise ValueError(f"attention backend {backend!r} needs doc_ids on a CUDA device ({why}); "
+                         f"got {doc_ids.device}; use 'sdpa'")
+    if backend == "flex":
+        return FlexDocumentAttention(doc_ids)
+    return VarlenDocumentAttention(doc_ids, kernel="torch" if backend == "varlen" else "flash_attn")

@@ -140,3 +140,27 @@ def test_model_head_matches_logits_path(tie):
     assert ours[2].keys() == ref[2].keys()
     for name in ref[2]:
         torch.testing.assert_close(ours[2][name], ref[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_bounded_on_cuda():
+    # 8192 tokens x V = 32768: the full fp32 logits alone would be 1 GiB. With 1024-token
+    # chunks, forward + backward stay under half of that (one chunk's logits, ~0.3 GiB, plus
+    # the fp32 weight-gradient accumulator).
+    N, dim, V, chunk = 8192, 512, 32768, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1, N, dim, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.05 * torch.randn(V, dim, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (1, N), device="cuda", generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, 1.0, chunk_tokens=chunk)
+    logprobs.sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    assert peak < N * V * 4 // 2, f"peak {peak / 2**20:.0f} MiB"
+    ref_logprobs, ref_entropy = token_logprobs(F.linear(hidden, weight), targets, 1.0)
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-3, atol=1e-3)

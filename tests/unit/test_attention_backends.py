@@ -1,0 +1,200 @@
+"""Packed-document attention backends (flex, varlen) against `DocumentCausalAttention`.
+
+On CPU torch runs FlexAttention forward only (no backward), and the varlen kernels not at all:
+the CPU tests cover flex's forward, the cumulative lengths and the factory's errors; the
+`gpu`-marked tests compare forward and backward on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+
+from meshrl.models.common.attention import (
+    DocumentCausalAttention,
+    FlexDocumentAttention,
+    VarlenDocumentAttention,
+    document_cu_seqlens,
+    document_ids_from_positions,
+    make_document_attention,
+)
+from meshrl.models.qwen3 import FLAVORS, Qwen3
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def packed_doc_ids(lengths: list[int], device: str = "cpu") -> torch.Tensor:
+    """(1, sum(lengths)) ids 0, 1, ... with document i spanning lengths[i] tokens."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].to(device)
+
+
+def random_qkv(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype, device: str, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=gen, device=device).to(dtype) for H in (Hq, Hkv, Hkv)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def attend_with_grads(attn, q, k, v, upstream):
+    """Output and (dq, dk, dv) of sum(attn(q, k, v) * upstream)."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = attn.attend(0, q, k, v)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), (q, k, v))
+    return out.detach(), grads
+
+
+# Rows of several documents, one not a multiple of flex's 128-token blocks, a padding tail of
+# one-token documents, and (flex only) a row whose documents interleave.
+LENGTHS = [37, 100, 5, 60, 1, 90, 1, 1, 5]  # T = 300
+
+
+def flex_doc_ids() -> torch.Tensor:
+    interleaved = torch.arange(300) % 7 // 3  # ids 0 0 0 1 1 1 2 0 0 0 ...
+    return torch.cat([packed_doc_ids(LENGTHS), interleaved[None]])  # (2, 300)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+def test_flex_eager_forward_matches_sdpa_on_cpu():
+    doc_ids = flex_doc_ids()
+    q, k, v = random_qkv(B=2, Hq=4, Hkv=2, T=300, D=16, dtype=torch.float32, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+        ours = FlexDocumentAttention(doc_ids, compile=False).attend(0, q, k, v)
+    ref = DocumentCausalAttention(doc_ids).attend(0, q, k, v)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_in_model_matches_sdpa_on_cpu():
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 0]])
+    tokens = torch.randint(0, args.vocab_size, positions.shape, generator=torch.Generator().manual_seed(0))
+    doc_ids = document_ids_from_positions(positions)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = model(tokens, positions, FlexDocumentAttention(doc_ids, compile=False))
+        ref = model(tokens, positions, DocumentCausalAttention(doc_ids))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_document_cu_seqlens_by_hand():
+    cu_seqlens, max_len = document_cu_seqlens(torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 3, 3]]))
+    assert cu_seqlens.dtype == torch.int32
+    assert cu_seqlens.tolist() == [0, 3, 5, 6, 10] and max_len == 4
+    cu_seqlens, max_len = document_cu_seqlens(packed_doc_ids(LENGTHS))
+    assert cu_seqlens.tolist() == [0, 37, 137, 142, 202, 203, 293, 294, 295, 300] and max_len == 100
+
+
+def test_document_cu_seqlens_rejects_interleaved_and_batches():
+    with pytest.raises(ValueError, match="contiguous"):
+        document_cu_seqlens(torch.tensor([[0, 0, 1, 1, 0]]))
+    with pytest.raises(ValueError, match=r"\(1, T\)"):
+        document_cu_seqlens(torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_varlen_rejects_fp32():
+    q, k, v = random_qkv(B=1, Hq=4, Hkv=2, T=6, D=16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        VarlenDocumentAttention(torch.tensor([[0, 0, 0, 1, 1, 1]])).attend(0, q, k, v)
+
+
+def test_factory_sdpa_and_errors():
+    doc_ids = packed_doc_ids([3, 4])
+    assert isinstance(make_document_attention(doc_ids, "sdpa"), DocumentCausalAttention)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_document_attention(doc_ids, "xformers")
+    with pytest.raises(ValueError, match="CUDA"):
+        make_document_attention(doc_ids, "flex")
+    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        with pytest.raises(ValueError, match="CUDA"):
+            make_document_attention(doc_ids, "varlen")
+        with pytest.raises(ValueError, match=r"one packed row"):
+            make_document_attention(torch.zeros(2, 7, dtype=torch.long), "varlen")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_factory_flash_attn_not_installed():
+    with pytest.raises(ValueError, match="flash-attn package"):
+        make_document_attention(packed_doc_ids([3, 4]), "flash_attn")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+def check_against_sdpa(attn, doc_ids, dtype, B, fwd_tol, bwd_tol):
+    """attn vs DocumentCausalAttention in fp32 on the same (dtype-rounded) inputs, with GQA."""
+    q, k, v = random_qkv(B=B, Hq=8, Hkv=2, T=doc_ids.shape[1], D=64, dtype=dtype, device="cuda")
+    upstream = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    out, grads = attend_with_grads(attn, q, k, v, upstream)
+    ref_out, ref_grads = attend_with_grads(DocumentCausalAttention(doc_ids), q.float(), k.float(), v.float(), upstream)
+    assert out.dtype == dtype and out.shape == ref_out.shape
+    assert rel_err(out, ref_out) < fwd_tol
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        assert g.dtype == dtype and g.shape == ref.shape, name
+        assert rel_err(g, ref) < bwd_tol, (name, rel_err(g, ref))
+
+
+# fp32 within kernel-order rounding; bf16 within a few of its 2^-8 units (SDPA's own bf16
+# result sits at about the same distance from the fp32 reference).
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3)}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_matches_sdpa_on_cuda(dtype):
+    doc_ids = flex_doc_ids().cuda()
+    check_against_sdpa(FlexDocumentAttention(doc_ids), doc_ids, dtype, 2, *TOLERANCES[dtype])
+    assert isinstance(make_document_attention(doc_ids, "flex"), FlexDocumentAttention)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(importlib.util.find_spec("torch.nn.attention.varlen") is None, reason="torch < 2.10")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_matches_sdpa_on_cuda(dtype):
+    doc_ids = packed_doc_ids(LENGTHS, "cuda")
+    check_against_sdpa(VarlenDocumentAttention(doc_ids), doc_ids, dtype, 1, *TOLERANCES[dtype])
+    assert isinstance(make_document_attention(doc_ids, "varlen"), VarlenDocumentAttention)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flex", "varlen"])
+def test_backends_in_model_on_cuda(backend):
+    if backend == "varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        pytest.skip("torch < 2.10")
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.to_empty(device="cuda")
+    model.init_weights(seed=0)
+    model.to(torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].cuda()  # (1, 300)
+    tokens = torch.randint(0, args.vocab_size, positions.shape, device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    doc_ids = document_ids_from_positions(positions)
+
+    def run(attn):
+        model.zero_grad()
+        logits = model(tokens, positions, attn)
+        logits.float().logsumexp(-1).sum().backward()
+        return logits.detach().float(), [p.grad.float() for p in model.parameters()]
+
+    ref_logits, ref_grads = run(make_document_attention(doc_ids, "sdpa"))
+    logits, grads = run(make_document_attention(doc_ids, backend))
+    assert rel_err(logits, ref_logits) < 1e-2
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g, ref) < 5e-2
