@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import llama3, qwen3
+from meshrl.models import llama3, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=llama3.FLAVORS,
         state_dict_adapter=llama3.Llama3StateDictAdapter,
         parallel_plan=llama3.PARALLEL_PLAN,
+    ),
+    "qwen3_moe": ModelFamily(
+        name="qwen3_moe",
+        args_cls=qwen3_moe.Qwen3MoeArgs,
+        model_cls=qwen3_moe.Qwen3Moe,
+        flavors=qwen3_moe.FLAVORS,
+        state_dict_adapter=qwen3_moe.Qwen3MoeStateDictAdapter,
+        parallel_plan=qwen3_moe.PARALLEL_PLAN,
     ),
 }
 
