@@ -125,9 +125,9 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = local_dispatch
         # Load-balancing state: plain attributes, not buffers (never in the state dict).
         self.aux_loss: Tensor | None = None  # the last forward's aux loss, differentiable
-        self._counts: Tensor | None = None  # (E,) fp64 assignments accumulated since the last pop
-        self._aux_sum: Tensor | None = None  # () fp64 sum of the aux losses since the last pop
-        self._num_forwards = 0
+        # (E + 2,) fp64 since the last pop: assignments per expert, sum of aux losses, forwards.
+        # One tensor, updated on device: no host sync and no Python counters for torch.compile.
+        self._stats: Tensor | None = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, dim) -> top_w (N, k) in x's dtype, top_i (N, k) int64, probs (N, E) fp32."""
@@ -162,11 +162,8 @@ class MoE(nn.Module):
         f = counts.float() / max(num_tokens, 1)
         self.aux_loss = self.num_experts * (f * probs.mean(dim=0)).sum() if num_tokens else probs.sum() * 0
         with torch.no_grad():
-            c = counts.double()
-            a = self.aux_loss.detach().double()
-            self._counts = c if self._counts is None else self._counts + c
-            self._aux_sum = a if self._aux_sum is None else self._aux_sum + a
-            self._num_forwards += 1
+            row = torch.cat([counts.double(), self.aux_loss.detach().double().view(1), counts.new_ones(1).double()])
+            self._stats = row if self._stats is None else self._stats + row
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float, generator: torch.Generator | None = None) -> None:
@@ -206,15 +203,18 @@ def pop_moe_stats(model: nn.Module) -> dict[str, float]:
     - "moe/load_max", "moe/load_min": per layer, the max (min) over experts of the expert's share
       of top-k assignments times E (1.0 = perfectly balanced); averaged over layers.
     """
-    stats = [m for m in moe_layers(model) if m._counts is not None]
-    if not stats:
+    layers = [m for m in moe_layers(model) if m._stats is not None]
+    if not layers:
         return {}
-    loads = torch.stack([m._counts / m._counts.sum().clamp(min=1) * m.num_experts for m in stats])  # (L, E)
-    aux = torch.stack([m._aux_sum / m._num_forwards for m in stats]).sum()
+    loads, aux = [], []
+    for m in layers:
+        counts, aux_sum, num_forwards = m._stats[:-2], m._stats[-2], m._stats[-1]
+        loads.append(counts / counts.sum().clamp(min=1) * m.num_experts)
+        aux.append(aux_sum / num_forwards)
+        m._stats = None
+    loads_le = torch.stack(loads)  # (L, E)
     # One host transfer for everything.
-    values = torch.stack([aux, loads.max(dim=1).values.mean(), loads.min(dim=1).values.mean()]).tolist()
-    for m in stats:
-        m._counts = m._aux_sum = None
-        m._num_forwards = 0
+    values = torch.stack([torch.stack(aux).sum(), loads_le.max(dim=1).values.mean(),
+                          loads_le.min(dim=1).values.mean()]).tolist()
     return {"moe/aux_loss": values[0], "moe/load_max": values[1], "moe/load_min": values[2]}
 
