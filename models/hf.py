@@ -2,7 +2,9 @@
 
 A folder written by `save_hf_model` loads with `transformers.AutoModelForCausalLM.from_pretrained`
 (offline), and `load_hf_model` reads HF checkpoints (single-file or sharded safetensors) into our
-model classes. Keys are renamed by the family's state-dict adapter; values are only cast/copied.
+model classes: a native family when meshrl has one for the config's model_type, else (or when
+asked with impl="hf") the transformers wrapper of models/generic_hf.py. Keys are renamed by the
+family's state-dict adapter; values are only cast/copied.
 
 Loading copies tensor by tensor from the safetensors files into a model that was built on the
 meta device and materialised with `to_empty`, so peak host memory is one tensor, not one model.
@@ -23,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from meshrl.models import family_of_args, get_family
+from meshrl.models import family_of_args
+from meshrl.models.generic_hf import GENERIC_FAMILY, GenericArgs, Impl, family_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -73,16 +76,20 @@ def _weight_files(folder: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_hf_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    impl: Impl = "auto",
 ) -> tuple[nn.Module, Any]:
     """Build the model an HF folder describes and load its weights. Returns (model, args).
+
+    `impl` picks the implementation (see `generic_hf.resolve_impl`): "auto" is our native family
+    when the model_type has one, else the generic transformers wrapper; "native" or "hf" force one.
 
     Every parameter ends up on `device` in `dtype` (checkpoint tensors are cast on copy).
     Missing, unexpected or mis-shaped weights raise ValueError naming the key.
     """
     folder = Path(path)
     config = read_hf_config(folder)
-    family = get_family(config.get("model_type"))
+    family = family_for(config.get("model_type"), impl)
     args = family.args_cls.from_hf_config(config)
     adapter = family.state_dict_adapter(args)
     with torch.device("meta"):
@@ -168,7 +175,7 @@ def save_hf_model(
     Tokenizer files found in `tokenizer_dir` are copied alongside. An existing folder at `path`
     is replaced only once the new one is complete.
     """
-    family = family_of_args(args)
+    family = GENERIC_FAMILY if isinstance(args, GenericArgs) else family_of_args(args)
     state_dict = _cpu_state_dict(model_or_state_dict, dtype)
     hf_state_dict = family.state_dict_adapter(args).to_hf(state_dict)
     float_dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}

@@ -45,6 +45,10 @@ class ModelConfig(Base):
     """Seed of init_weights() for a fresh model."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto is bfloat16 on GPU and float32 on CPU."""
+    impl: Literal["auto", "native", "hf"] = "auto"
+    """Implementation of a `path` model: auto = our native family when its model_type has one, else
+    the generic transformers wrapper (models/generic_hf.py); native = ours or an error; hf = the
+    wrapper always. Fresh `flavor` models are always native."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -52,6 +56,8 @@ class ModelConfig(Base):
             raise ValueError("model: set exactly one of model.path (an HF folder) or model.flavor (a fresh model)")
         if self.flavor is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required with model.flavor (e.g. \"char\")")
+        if self.flavor is not None and self.impl == "hf":
+            raise ValueError("model.impl = \"hf\" needs model.path: fresh flavor models are always native")
         return self
 
 

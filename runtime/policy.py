@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from meshrl.models import get_family
-from meshrl.models.hf import load_hf_model
+from meshrl.models.generic_hf import check_generic_config, resolve_impl
+from meshrl.models.hf import load_hf_model, read_hf_config
 from meshrl.runtime.config import ModelConfig
 from meshrl.runtime.tokenizer import build_char_tokenizer, load_tokenizer
 
@@ -22,7 +23,8 @@ def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
 
 
 def check_model_source(cfg: ModelConfig) -> None:
-    """Fail early (before any process group) when the model folder is missing or incomplete."""
+    """Fail early (before any process group) when the model folder is missing or incomplete, or
+    its model_type cannot be served by the chosen implementation (`cfg.impl`)."""
     if cfg.path is not None:
         folder = Path(cfg.path)
         if not folder.is_dir():
@@ -31,6 +33,9 @@ def check_model_source(cfg: ModelConfig) -> None:
             raise ValueError(f"model.path: {cfg.path} has no config.json (an HF model folder is expected)")
         if not any(folder.glob("*.safetensors")):
             raise ValueError(f"model.path: {cfg.path} has no *.safetensors weights")
+        config = read_hf_config(folder)
+        if resolve_impl(config.get("model_type"), cfg.impl) == "hf":
+            check_generic_config(config)
     else:
         family = get_family(cfg.family)
         if cfg.flavor not in family.flavors:
@@ -52,7 +57,7 @@ def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = to
     seeded), which the trainer relies on before FSDP2 shards the model.
     """
     if cfg.path is not None:
-        return load_hf_model(cfg.path, device=device, dtype=dtype)
+        return load_hf_model(cfg.path, device=device, dtype=dtype, impl=cfg.impl)
     family = get_family(cfg.family)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
     args = dataclasses.replace(family.flavors[cfg.flavor], vocab_size=len(tokenizer))
