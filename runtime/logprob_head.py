@@ -90,8 +90,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             target_z = z.gather(-1, targets[start:end, None]).squeeze(-1)  # (n,)
             logprobs[start:end] = target_z - lse_c
             lse[start:end] = lse_c
-            # H = lse - sum_v p_v z_v, as algorithms._entropy computes it.
-            p = torch.exp(z - lse_c[:, None])  # (n, V)
+            # H = lse - sum_v p_v z_v, as algorithms._entropy computes it; p is built in the
+            # one (n, V) temporary so a chunk costs two fp32 (n, V) tensors at most.
+            p = (z - lse_c[:, None]).exp_()  # (n, V)
             entropy[start:end] = lse_c - p.mul_(z).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature

@@ -150,17 +150,7 @@ class FlexDocumentAttention:
     def block_mask(self, device: torch.device) -> Any:
         """The BlockMask of (kv <= q) & same document, for all heads (H broadcast)."""
         if self._block_mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            doc = self.doc_ids.to(device)
-            B, T = doc.shape
-
-            def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
-
-            # Evaluated once per forward over (B, T, T) booleans (a few B * T^2 bytes, freed
-            # right after), then only the (T / 128)^2 block tables remain.
-            self._block_mask = create_block_mask(document_causal, B, None, T, T, device=device)
+            self._block_mask = document_block_mask(self.doc_ids.to(device))
         return self._block_mask
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -171,6 +161,58 @@ class FlexDocumentAttention:
         else:
             from torch.nn.attention.flex_attention import flex_attention as flex
         return flex(q, k, v, block_mask=self.block_mask(q.device), enable_gqa=num_q_heads != k.shape[1])
+
+
+_FLEX_BLOCK = 128  # flex_attention's default sparse block size
+# Query rows per step when classifying blocks: bounds the (B, rows, T) boolean temporaries.
+_MASK_ELEMENTS_PER_STEP = 1 << 25
+
+
+def document_block_mask(doc_ids: Tensor, block_size: int = _FLEX_BLOCK) -> Any:
+    """doc_ids (B, T) -> flex BlockMask of (kv <= q) & (doc[q] == doc[kv]), heads broadcast.
+
+    Equal to `create_block_mask(mask_mod, B, None, T, T)` (same partial and full blocks), but
+    that evaluates mask_mod over a dense (B, T, T) grid at once: 2.5 GiB of temporaries at
+    T = 16k and 10 GiB at 32k (measured on torch 2.11). Here the blocks are classified a band
+    of query rows at a time, so the temporaries stay around 150 MB whatever T is.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, T = doc_ids.shape
+    num_blocks = -(-T // block_size)
+    padded = num_blocks * block_size
+    idx = torch.arange(padded, device=doc_ids.device)
+    doc = torch.zeros(B, padded, dtype=doc_ids.dtype, device=doc_ids.device)
+    doc[:, :T] = doc_ids
+    valid = idx < T  # padding past T allows nothing, so a trailing block is never "full"
+    blocks_per_step = max(1, _MASK_ELEMENTS_PER_STEP // (B * padded * block_size))
+    any_allowed = torch.empty(B, num_blocks, num_blocks, dtype=torch.bool, device=doc_ids.device)
+    all_allowed = torch.empty_like(any_allowed)
+    for q0 in range(0, num_blocks, blocks_per_step):
+        q1 = min(q0 + blocks_per_step, num_blocks)
+        rows = slice(q0 * block_size, q1 * block_size)
+        allowed = ((doc[:, rows, None] == doc[:, None, :])
+                   & (idx[None, :] <= idx[rows, None]) & valid[None, :] & valid[rows, None])  # (B, rows, padded)
+        allowed = allowed.view(B, q1 - q0, block_size, num_blocks, block_size)
+        any_allowed[:, q0:q1] = allowed.any(dim=4).any(dim=2)
+        all_allowed[:, q0:q1] = allowed.all(dim=4).all(dim=2)
+    partial = (any_allowed & ~all_allowed)[:, None]  # (B, 1, num_blocks, num_blocks)
+    full = all_allowed[:, None]
+
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # Applied by flex inside the partial blocks only.
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(*_block_indices(partial), *_block_indices(full), BLOCK_SIZE=block_size,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
+
+
+def _block_indices(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, H, Qb, KVb) bool -> per query block the count (B, H, Qb) and the kv block indices
+    (B, H, Qb, KVb), selected blocks first in ascending order: BlockMask's layout."""
+    as_int = dense.to(torch.int32)
+    order = torch.argsort(as_int, dim=-1, descending=True, stable=True)
+    return as_int.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
 
 
 def document_cu_seqlens(doc_ids: Tensor) -> tuple[Tensor, int]:

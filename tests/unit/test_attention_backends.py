@@ -17,6 +17,7 @@ from meshrl.models.common.attention import (
     DocumentCausalAttention,
     FlexDocumentAttention,
     VarlenDocumentAttention,
+    document_block_mask,
     document_cu_seqlens,
     document_ids_from_positions,
     make_document_attention,
@@ -60,6 +61,41 @@ def flex_doc_ids() -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # CPU
+
+
+def dense_blocks(num: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """BlockMask (count, indices) -> (B, H, Qb, KVb) bool of the blocks listed."""
+    listed = torch.arange(indices.shape[-1]) < num[..., None]  # (B, H, Qb, KVb)
+    dense = torch.zeros(indices.shape, dtype=torch.bool)
+    return dense.scatter_(-1, indices.long(), listed)
+
+
+@pytest.mark.parametrize("T, block_size", [(300, 128), (128, 128), (5, 128), (300, 16), (97, 8)])
+def test_document_block_mask_equals_create_block_mask(T, block_size, monkeypatch):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import meshrl.models.common.attention as attention
+
+    gen = torch.Generator().manual_seed(T)
+    lengths = torch.randint(1, 40, (T,), generator=gen)
+    packed = torch.repeat_interleave(torch.arange(T), lengths)[:T]  # contiguous documents
+    interleaved = torch.randint(0, 3, (T,), generator=gen)  # ids scattered through the row
+    doc_ids = torch.stack([packed, interleaved, torch.zeros(T, dtype=torch.long)])  # (3, T)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    # A small step forces several query bands per call.
+    monkeypatch.setattr(attention, "_MASK_ELEMENTS_PER_STEP", 3 * T * block_size)
+    ours = document_block_mask(doc_ids, block_size=block_size)
+    ref = create_block_mask(mask_mod, 3, None, T, T, device="cpu", BLOCK_SIZE=block_size)
+    assert ours.shape == ref.shape and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for name in ["kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"]:
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert torch.equal(dense_blocks(ours.kv_num_blocks, ours.kv_indices), dense_blocks(ref.kv_num_blocks, ref.kv_indices))
+    assert torch.equal(dense_blocks(ours.full_kv_num_blocks, ours.full_kv_indices),
+                       dense_blocks(ref.full_kv_num_blocks, ref.full_kv_indices))
+    assert torch.equal(ours.to_dense(), ref.to_dense())
 
 
 def test_flex_eager_forward_matches_sdpa_on_cpu():
