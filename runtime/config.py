@@ -138,17 +138,39 @@ class SamplingConfig(Base):
     """Maximum completion tokens per rollout."""
 
 
+class VLLMConfig(Base):
+    """vLLM engine settings (used only with inference.backend = "vllm"; see docs/inference.md)."""
+
+    gpu_memory_utilization: float = Field(0.8, gt=0, lt=1)
+    """Fraction of the GPU's memory vLLM may take for weights and KV cache; the rest stays for the
+    inference rank's own process (CUDA context, NCCL buffers, one weight bucket)."""
+    enforce_eager: bool = False
+    """Run without CUDA graphs (faster start-up, slower decoding)."""
+
+
 class InferenceConfig(Base):
     """Inference engines on the inference sub-mesh (one replica per rank)."""
 
-    backend: Literal["native"] = "native"
-    """Engine implementation: the native engine (vLLM comes with its adapter)."""
+    backend: Literal["native", "vllm"] = "native"
+    """Engine implementation: "native" (models/ + our KV cache; CPU and GPU) or "vllm" (GPU only,
+    installed in a separate environment; see docs/inference.md)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """vLLM engine settings (backend = "vllm" only)."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences decoded together in one batch per replica."""
     max_model_len: int = Field(512, ge=8)
     """Prompt plus completion tokens a sequence may reach."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
+
+    @model_validator(mode="after")
+    def _vllm_logprobs(self) -> "InferenceConfig":
+        if self.backend == "vllm" and self.sampling.top_p < 1:
+            raise ValueError(
+                f'inference.sampling.top_p ({self.sampling.top_p}) must be 1 with inference.backend = "vllm": '
+                "vLLM reports logprobs of the truncated distribution, the trainer those of the full one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fits(self) -> "InferenceConfig":
@@ -287,6 +309,9 @@ class RLConfig(Base):
     @model_validator(mode="after")
     def _consistent(self) -> "RLConfig":
         check_parallel(self.trainer.parallel, self.layout.num_trainer_ranks)
+        if self.inference.backend == "vllm" and self.dist.device == "cpu":
+            raise ValueError('inference.backend = "vllm" needs CUDA, but dist.device is "cpu"; '
+                             'use inference.backend = "native" on CPU')
         if self.trainer.micro_batch_tokens < self.inference.max_model_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must be >= "

@@ -23,6 +23,7 @@ from meshrl.runtime.layout import Layout
 from meshrl.runtime.policy import build_policy, compute_dtype
 from meshrl.runtime.rundir import log
 from meshrl.runtime.transport import Message
+from meshrl.runtime.vllm_engine import build_vllm_engine
 
 
 def encode_completions(done: list[Completion]) -> TensorDict:
@@ -51,14 +52,22 @@ def decode_requests(msg: Message) -> list[Request]:
 def run_inference(cfg: RLConfig, layout: Layout) -> None:
     device = layout.device
     dtype = compute_dtype(cfg.model, device)
-    model, _ = build_policy(cfg.model, device, dtype)
-    engine = NativeEngine(model, max_num_seqs=cfg.inference.max_num_seqs,
-                          max_model_len=cfg.inference.max_model_len, device=device, dtype=dtype)
+    if cfg.inference.backend == "vllm":
+        engine = build_vllm_engine(cfg.inference, cfg.model, device, dtype, seed=cfg.seed)
+    else:
+        model, _ = build_policy(cfg.model, device, dtype)
+        inf = cfg.inference
+        engine = NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
+                              dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
+                              kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
+                              max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
+                              cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
+                              seed=cfg.seed)
     controller = layout.roles.controller
     inbox = transport.Inbox(last_kinds=("stop",))
     inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
     src = layout.roles.trainers[0]
-    weight_sync.receive_weights(engine.model, layout.sync_group, src, dtype, cfg.weight_sync.bucket_mb, device)
+    _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
     log.info("received initial weights (v0)")
     up = layout.up[layout.rank]
     generated = 0
@@ -77,7 +86,7 @@ def run_inference(cfg: RLConfig, layout: Layout) -> None:
                     engine.add(request)
             elif msg.kind == "load_weights":
                 start = time.perf_counter()
-                weight_sync.receive_weights(engine.model, layout.sync_group, src, dtype, cfg.weight_sync.bucket_mb, device)
+                _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
                 engine.set_version(msg.meta["version"])
                 log.info("loaded weights v%d in %.3fs", engine.version, time.perf_counter() - start)
             elif msg.kind == "stop":
@@ -90,6 +99,15 @@ def run_inference(cfg: RLConfig, layout: Layout) -> None:
             if done:
                 generated += sum(len(c.token_ids) for c in done)
                 transport.send(Message("completions", {}, encode_completions(done)), controller, up)
+
+
+def _receive_weights(engine, cfg: RLConfig, group, src: int, dtype: torch.dtype, device: torch.device) -> None:
+    # The native engine's parameters are ours, filled in place; vLLM's are renamed to HF names and
+    # loaded through its worker (runtime/vllm_engine.py), so it receives the buckets itself.
+    if cfg.inference.backend == "vllm":
+        engine.receive_weights(group, src, dtype, cfg.weight_sync.bucket_mb, device)
+    else:
+        weight_sync.receive_weights(engine.model, group, src, dtype, cfg.weight_sync.bucket_mb, device)
 
 
 def _stop(engine: NativeEngine, controller: int, up) -> None:
