@@ -3,7 +3,7 @@
 Each training sub-command validates its config on this process (a mistake exits 2 with one line,
 before any process group exists), then starts torchrun with the rank module on the resolved
 config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`. `bench` and
-`plot` live in their own modules (runtime/bench.py, runtime/plot.py), imported on use.
+`plot` live in their own modules (runtime/bench.py, runtime/bench_engine.py, runtime/plot.py), imported on use.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ USAGE = """usage: meshrl COMMAND @ config.toml [@ more.toml ...] [--dotted.key v
 commands:
   rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
   sft    supervised fine-tuning on an environment's reference completions
-  bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL)
+  bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL),
+         `meshrl bench engine [--flavor 0.6B] [--device cuda|cpu] [--no-hf] ...` (inference engine)
   plot   charts of a run: `meshrl plot RUN_DIR [--out DIR]` writes PNGs (default RUN_DIR/plots)
 
 examples:
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
+    if command == "bench" and rest[:1] == ["engine"]:
+        from meshrl.runtime import bench_engine
+
+        bench_engine.main(rest[1:])
+        return
     if command == "bench":
         from meshrl.runtime import bench
 

@@ -1,69 +1,74 @@
-"""Native inference engine: the models/ definitions plus a slot-based KV cache.
+"""Native inference engine: models/ definitions, continuous batching over a paged KV cache.
 
 One scheduler iteration (`NativeEngine.step`):
 
-    waiting requests --admit into free slots--> prefill (one right-padded batch) --> sample 1st token
-    running slots ----one batched decode step (last token of every slot)--------> sample next token
-    after every sample: stop id / max_tokens / slot full?  --> Completion, slot freed at once
+    1. decode set   every running sequence whose only uncomputed token is its last sampled one;
+                    each gets room for that token's k/v (a new block, or a private copy of a
+                    shared one); when the cache is out of blocks the newest running sequence is
+                    preempted (blocks freed, back to the front of the queue, recomputed later)
+    2. prefill set  sequences part-way through a long prompt, then waiting requests admitted
+                    FIFO while rows, blocks and `max_num_batched_tokens` allow; a prompt's full
+                    blocks found in the prefix cache are shared instead of recomputed
+    3. prefill      one eager forward of the prefill set (right-padded (B, T)); rows that reach
+                    the end of their tokens sample their next token
+    4. decode       one forward of the decode set, one token per row; on CUDA a captured graph
+                    per (bucketed batch, bucketed block count) replays the whole forward
+    after every sample: stop id / stop string / max_tokens / max_model_len -> Completion, blocks
+    and row freed at once
 
-Each running request owns one slot of a per-layer KV cache of shape
-(max_num_seqs, Hkv, max_model_len, D). The model has no cache of its own: it calls
-`attn.attend(layer_id, q, k, v)` in every layer, and the engine's `_CacheAttention` writes the new
-k/v into the slots at their absolute positions and attends over each slot's cached prefix with a
-boolean mask (causal within the new tokens, bounded by the slot's length). Prefill and decode are the
-same operation with T = prompt length or T = 1, which also lets a later version append a new turn
-to a live sequence.
+Decode runs every step and prefill gets a token budget per step, so neither starves the other.
 
-Logprobs are fp32 log_softmax(logits / temperature) of the sampled token over the full vocabulary
-(before top_p), which is what the trainer recomputes; greedy requests report temperature-1 logprobs.
+Sequences. A sequence is (request, sample index): `tokens` (prompt + generated), `num_computed`
+of them with k/v in the cache, a block table, and a *row*: its index in the persistent decode
+buffers (token, position, slot, block table, context length), which on CUDA the graphs read.
+The model has no cache of its own: it calls `attn.attend(layer_id, q, k, v)` in every layer and
+runtime/kv_cache.py's `PagedAttention` writes k/v into the blocks and attends over them.
 
-Weight sync copies new weights into `engine.model` parameters in place between `step()` calls and
-then calls `set_version(v)`. The engine keeps no state derived from weights, so nothing goes stale;
-the KV cache of in-flight requests is kept, and the tokens sampled after the swap record the new
-version in `Completion.versions` (off-policy by design, bounded by the controller).
+Sharing. Samples of one prompt (SamplingParams.n, or separate requests with identical prompts
+queued back to back, which is how the controller sends a group) are admitted together: the
+first one prefills the prompt once; at its first sample the others fork its block table
+(references, no copy) and sample from the same logits with their own seeds; the partly filled
+last block is copied only when a sample first writes into it (copy-on-write). Full blocks are
+also kept in a prefix cache keyed by their whole prefix, after their sequence ends, until
+evicted (LRU).
+
+Multi-turn (token-level continuation). To continue an episode, add a request whose prompt is
+`continuation_ids(completion, new_ids)` = previous prompt + completion + the environment's new
+tokens, as token ids, never re-tokenised text. Every full block computed in earlier turns is
+found in the prefix cache, so only the new tokens (and the last partial block) are computed.
+
+Weights. Weight sync copies new weights into `engine.model`'s parameters in place (the CUDA
+graphs read those very storages) between `step()` calls, then calls `set_version(v)`. Requests
+in flight keep their k/v (off-policy by design, bounded by the controller) and the tokens they
+sample from then on record version v. The prefix cache is dropped on a version change: a new
+request must not silently reuse keys computed by the old weights, and a sequence whose k/v
+predate the current version never registers its blocks.
+
+Sampling and logprobs: runtime/sampling.py (fp32 log_softmax(logits / temperature) over the
+full vocabulary; seeded counter-based draws independent of the batch).
+Tensor parallelism inside a replica is not implemented (one rank per engine).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Callable, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshrl.runtime.kv_cache import NULL_BLOCK, BlockManager, KVCache, PagedAttention, block_hashes, triton_available
+from meshrl.runtime.sampling import SamplingBatch, SamplingParams, sample
+
+__all__ = ["Completion", "FinishReason", "InferenceEngine", "NativeEngine", "Request", "SamplingParams",
+           "continuation_ids", "generate"]
+
 FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is sampled.
-
-    temperature: 0 means greedy (argmax); its logprobs are then those of temperature 1.
-    top_p: nucleus filtering of the sampling distribution; logprobs ignore it.
-    max_tokens: most tokens to generate (the stop token counts).
-    stop_token_ids: generation ends after sampling one of these (put the tokenizer's EOS here);
-        the stop token is part of the completion.
-    seed: when set, the request samples from its own generator, so its tokens depend only on
-        the seed and the logits, not on which other requests share the batch.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
 
 
 @dataclass
@@ -77,10 +82,11 @@ class Request:
 
 @dataclass
 class Completion:
-    """A finished (or aborted) request.
+    """A finished (or aborted) sample of a request.
 
     logprobs[i] is the fp32 logprob of token_ids[i] under the temperature-scaled, un-truncated
-    distribution; versions[i] is the engine's weight version when token_ids[i] was sampled.
+    distribution; versions[i] is the engine's weight version when token_ids[i] was sampled;
+    index is the sample's number among the request's n.
     """
 
     request_id: int
@@ -89,6 +95,12 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason
+    index: int = 0
+
+
+def continuation_ids(completion: Completion, new_ids: list[int]) -> list[int]:
+    """The prompt of the next turn: earlier prompt + completion + new tokens (see module docstring)."""
+    return list(completion.prompt_ids) + list(completion.token_ids) + list(new_ids)
 
 
 @runtime_checkable
@@ -107,7 +119,7 @@ class InferenceEngine(Protocol):
         ...
 
     def step(self) -> list[Completion]:
-        """One scheduler iteration; returns the requests that finished in it."""
+        """One scheduler iteration; returns the samples that finished in it."""
         ...
 
     def has_work(self) -> bool:
@@ -115,7 +127,7 @@ class InferenceEngine(Protocol):
         ...
 
     def abort(self, request_id: int) -> Completion | None:
-        """Drop a waiting or running request at once; None if it is not live."""
+        """Drop a live request at once, freeing its memory; None if it is not live."""
         ...
 
     def set_version(self, version: int) -> None:
@@ -123,137 +135,69 @@ class InferenceEngine(Protocol):
         ...
 
 
-def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tail of each row outside its nucleus; rows are not renormalised.
-
-    probs (B, V), top_p (B,). A token is kept if the mass of the tokens ranked above it is below
-    top_p, so the top token is always kept. Rows with top_p >= 1 are returned unchanged (float
-    rounding of the cumulative sum must not cut their tail).
-    """
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = (mass_above >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row with its own params; return (tokens (B,) long, logprobs (B,) fp32).
-
-    logits (B, V). Logprobs are log_softmax(logits / temperature) of the sampled token (temperature
-    1 for greedy rows), in fp32, before top_p. Rows with a generator are sampled one by one with it
-    so that their draws do not depend on the rest of the batch; the others share one draw from the
-    global RNG.
-    """
-    num_rows = logits.shape[0]
-    device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (B, V) fp32
-    tokens = logp.argmax(dim=-1)  # greedy rows keep this
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    if sampled:
-        probs = logp[sampled].exp()  # (S, V); multinomial takes unnormalised rows
-        if any(params[i].top_p < 1.0 for i in sampled):  # skip the vocabulary sort when unused
-            probs = top_p_filter(probs, torch.tensor([params[i].top_p for i in sampled], device=device))
-        shared = [j for j, i in enumerate(sampled) if generators[i] is None]
-        if shared:
-            tokens[[sampled[j] for j in shared]] = torch.multinomial(probs[shared], 1).squeeze(-1)
-        for j, i in enumerate(sampled):
-            if generators[i] is not None:
-                tokens[i] = torch.multinomial(probs[j : j + 1], 1, generator=generators[i])[0, 0]
-    logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)  # (B,)
-    assert tokens.shape == (num_rows,)
-    return tokens, logprobs
-
-
-class _KVCache:
-    """Per-layer k/v tensors of shape (num_slots, Hkv, max_len, D), allocated on first use.
-
-    Shapes and dtype come from the first k/v a layer produces, so the cache needs nothing from the
-    model's args and always matches what the model computes.
-    """
-
-    def __init__(self, num_slots: int, max_len: int) -> None:
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def layer(self, layer_id: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (k_cache, v_cache) of one layer; `like` is a (B, Hkv, T, D) k of that layer."""
-        if layer_id not in self.k:
-            _, num_kv_heads, _, head_dim = like.shape
-            shape = (self.num_slots, num_kv_heads, self.max_len, head_dim)
-            self.k[layer_id] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.v[layer_id] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        return self.k[layer_id], self.v[layer_id]
-
-
-class _CacheAttention:
-    """AttentionContext for one forward of new tokens appended to cached slots.
-
-    slots (B,) long: the cache slot of each row. positions (B, T) long: absolute position of each
-    new token (right-padded rows continue counting; their keys land past the row's length, where
-    the length mask hides them until decode overwrites them). key_len: max position + 1.
-    """
-
-    def __init__(self, cache: _KVCache, slots: torch.Tensor, positions: torch.Tensor, key_len: int):
-        self.cache = cache
-        self.slots = slots
-        self.positions = positions
-        self.key_len = key_len
-        keys = torch.arange(key_len, device=positions.device)
-        # Query at position p sees cached keys 0..p: causal within the new tokens and bounded by
-        # the slot's own history.
-        self.mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, L)
-
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D), caching k/v."""
-        k_cache, v_cache = self.cache.layer(layer_id, k)
-        rows = self.slots[:, None]  # (B, 1), broadcast against positions (B, T)
-        k_cache[rows, :, self.positions] = k.transpose(1, 2)  # (B, T, Hkv, D)
-        v_cache[rows, :, self.positions] = v.transpose(1, 2)
-        keys = k_cache[self.slots, :, : self.key_len]  # (B, Hkv, L, D)
-        values = v_cache[self.slots, :, : self.key_len]
-        group = q.shape[1] // keys.shape[1]
-        if group > 1:  # GQA: query head h reads kv head h // group, as in HF's repeat_kv
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        # Repeated k/v rather than enable_gqa: with a mask, CUDA runs the memory-efficient kernel,
-        # which does not take enable_gqa.
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
-
-
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
-    """A running request: its slot, sampled tokens so far and how many tokens sit in the cache."""
-
     request: Request
-    slot: int
-    generator: torch.Generator | None
-    num_cached: int = 0
-    token_ids: list[int] = field(default_factory=list)
+    index: int
+    seed: int
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose k/v are in the cache
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    synced: bool = False  # its row of the host block-table mirror is up to date
+    row: int = -1
+    admitted: int = -1  # admission stamp: the newest running sequence is preempted first
+    cache_version: int = 0  # weight version of its oldest cached k/v
+    followers: list[_Sequence] = field(default_factory=list)  # samples waiting to fork its prefill
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
 
     def completion(self, finish_reason: FinishReason) -> Completion:
-        """The Completion of this sequence as it stands."""
         r = self.request
-        return Completion(r.request_id, list(r.prompt_ids), self.token_ids, self.logprobs, self.versions, finish_reason)
+        return Completion(r.request_id, list(r.prompt_ids), self.generated, self.logprobs, self.versions,
+                          finish_reason, self.index)
+
+
+def _batch_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    sizes += list(range(160, max_num_seqs + 64, 32 if max_num_seqs <= 512 else 64))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class _Probe:
+    """Records each layer's id and k/v heads in one throw-away forward (the cache is shaped by it)."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[int, int, int]] = []
+
+    def attend(self, layer_id, q, k, v):
+        self.layers.append((layer_id, k.shape[1], k.shape[3]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class NativeEngine:
-    """Continuous-batching engine over a models/ model with a slot-based KV cache.
+    """Continuous-batching engine over a models/ model with a paged KV cache.
 
-    model: a models/ module with hidden(tokens (B, T), positions (B, T), attn) -> final-normed hidden
-        states (B, T, dim) and output_weight (V, dim), so that forward == F.linear(hidden,
-        output_weight); it is moved to device/dtype, put in eval mode and frozen.
-    max_num_seqs: cache slots, i.e. most requests running at once.
-    max_model_len: most tokens (prompt + completion) of one request.
+    model: a models/ module with hidden(tokens (B, T), positions (B, T), attn) -> final-normed
+        hidden states (B, T, dim) and output_weight (V, dim); moved to device/dtype, eval, frozen.
+    max_num_seqs: rows, i.e. most sequences running at once.
+    max_model_len: most tokens (prompt + completion) of one sequence.
+    block_size: tokens per KV block. num_blocks: size of the cache in blocks (block 0 is the null
+        block); default: on CUDA `kv_cache_memory_fraction` of the device memory left free once the
+        model is loaded, on CPU enough for max_num_seqs full-length sequences.
+    max_num_batched_tokens: prefill tokens per step (padded B x T); default max(8192, max_model_len).
+    prefix_sharing: prefix cache and prefill-once forks of identical prompts (off: every sequence
+        computes its whole prompt).
+    cuda_graphs: capture decode forwards (default: on for CUDA). attention: decode attention
+        backend, "torch" (gather + SDPA) or "triton" (paged kernel, CUDA); "auto" picks triton when
+        it can. detokenize: ids -> text, needed by requests with stop strings. seed: the engine's
+        RNG for requests without a seed.
     """
 
     def __init__(
@@ -264,139 +208,504 @@ class NativeEngine:
         max_model_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_fraction: float = 0.85,
+        max_num_batched_tokens: int | None = None,
+        prefix_sharing: bool = True,
+        cuda_graphs: bool | None = None,
+        attention: Literal["auto", "torch", "triton"] = "auto",
+        detokenize: Callable[[list[int]], str] | None = None,
+        seed: int = 0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0.0 < kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
+        _check_model_fits(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens or max(8192, max_model_len)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.prefix_sharing = prefix_sharing
+        self.detokenize = detokenize
         self.version = 0
-        self._cache = _KVCache(max_num_seqs, max_model_len)
-        self._waiting: deque[Request] = deque()
-        self._running: dict[int, _Sequence] = {}  # request_id -> sequence
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self.vocab_size = self.model.output_weight.shape[0]
+        is_cuda = self.device.type == "cuda"
+        if attention == "auto":
+            attention = "triton" if is_cuda and triton_available() else "torch"
+        if attention == "triton" and not is_cuda:
+            raise ValueError("attention='triton' needs a CUDA device; use 'torch'")
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {attention!r}")
+        self.attention = attention
+        self.cuda_graphs = is_cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not is_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+
+        # Positions 0..max_model_len-2 hold k/v: the last token of a full-length sequence is never fed.
+        self.max_blocks = math.ceil((max_model_len - 1) / block_size)
+        with torch.inference_mode():
+            probe = _Probe()
+            one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            self.model.hidden(one, one, probe)
+        layer_ids = [layer_id for layer_id, _, _ in probe.layers]
+        _, num_kv_heads, head_dim = probe.layers[0]
+        per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, dtype)
+        if num_blocks is None:
+            if is_cuda:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                num_blocks = int(kv_cache_memory_fraction * free) // per_block
+            else:
+                num_blocks = max_num_seqs * self.max_blocks + 1
+        if num_blocks - 1 < self.max_blocks:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks - 1, 0)} blocks of {block_size} tokens "
+                f"({per_block / 2**20:.2f} MiB each) but one sequence of max_model_len {max_model_len} needs "
+                f"{self.max_blocks}: lower max_model_len, raise kv_cache_memory_fraction / num_blocks, "
+                "or use a device with more memory")
+        self.kv = KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+
+        self._rng = random.Random(seed)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}  # row -> sequence
+        self._live: dict[int, list[_Sequence]] = {}  # request_id -> its live samples
+        self._free_rows = list(range(max_num_seqs))  # a heap: lowest rows first keeps decode batches dense
+        self._stamp = 0
+        self._pending_aborts: list[Completion] = []
+        self.num_preemptions = 0
+        self.num_prefill_tokens = 0
+        """Prompt tokens computed so far (what prefix sharing saves shows here)."""
+        self.num_first_tokens = 0
+        """Samples that have produced their first token (benchmarks time the first token with it)."""
+
+        # Persistent decode inputs, one entry per row (see _decode).
+        R = max_num_seqs
+        pin = is_cuda
+        self._tables_cpu = torch.zeros((R, self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._tokens = torch.zeros((R, 1), dtype=torch.long, device=self.device)
+        self._positions = torch.zeros((R, 1), dtype=torch.long, device=self.device)
+        self._slots = torch.zeros((R, 1), dtype=torch.long, device=self.device)
+        self._context_lens = torch.ones(R, dtype=torch.int32, device=self.device)
+        self._tables = torch.zeros((R, self.max_blocks), dtype=torch.int32, device=self.device)
+        self._buckets = _batch_buckets(R)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._sampling_key: tuple | None = None
+        self._sampling_batch: SamplingBatch | None = None
+
+    # ------------------------------------------------------------------ public API
 
     def set_version(self, version: int) -> None:
-        """Tokens sampled from now on are recorded with this weight version."""
+        """Tokens sampled from now on are recorded with this weight version; drops the prefix cache."""
+        if version != self.version:
+            self.blocks.clear_prefix_cache()
         self.version = version
 
     def add(self, request: Request) -> None:
-        """Queue a request; ValueError if its prompt is empty, too long or holds unknown token ids."""
-        num_prompt = len(request.prompt_ids)
-        if not 1 <= num_prompt <= self.max_model_len - 1:
-            raise ValueError(
-                f"request {request.request_id}: prompt has {num_prompt} tokens, "
-                f"must be 1..{self.max_model_len - 1} (max_model_len - 1)"
-            )
-        vocab_size = self.model.output_weight.shape[0]
-        if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocab_size:
-            raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {vocab_size})")
-        if request.request_id in self._running or any(r.request_id == request.request_id for r in self._waiting):
+        """Queue a request (its n samples); ValueError if it can never be served."""
+        prompt, sampling = request.prompt_ids, request.sampling
+        if not 1 <= len(prompt) <= self.max_model_len - 1:
+            raise ValueError(f"request {request.request_id}: prompt has {len(prompt)} tokens, "
+                             f"must be 1..{self.max_model_len - 1} (max_model_len - 1)")
+        if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        if request.request_id in self._live:
             raise ValueError(f"request {request.request_id} is already live")
-        self._waiting.append(request)
+        if sampling.stop and self.detokenize is None:
+            raise ValueError(f"request {request.request_id} has stop strings but the engine has no detokenize")
+        samples = []
+        for i in range(sampling.n):
+            seed = sampling.seed + i if sampling.seed is not None else self._rng.getrandbits(62)
+            samples.append(_Sequence(request, i, seed, list(prompt), len(prompt)))
+        self._waiting.extend(samples)
+        self._live[request.request_id] = samples
 
     def has_work(self) -> bool:
         """True while any request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self._live or self._pending_aborts)
 
     def abort(self, request_id: int) -> Completion | None:
-        """Drop a live request and free its slot; returns what it had generated, or None."""
-        if request_id in self._running:
-            seq = self._running.pop(request_id)
-            self._free_slots.append(seq.slot)
-            return seq.completion("abort")
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                return Completion(request_id, list(request.prompt_ids), [], [], [], "abort")
-        return None
+        """Drop every sample of a live request and free its blocks now; None if it is not live.
+
+        Returns the completion (finish_reason "abort") of its lowest live sample; with n > 1 the
+        other samples' abort completions come out of the next `step()`.
+        """
+        samples = self._live.pop(request_id, None)
+        if samples is None:
+            return None
+        for seq in samples:
+            self._drop(seq)
+        done = [seq.completion("abort") for seq in samples]
+        self._pending_aborts += done[1:]
+        return done[0]
 
     def step(self) -> list[Completion]:
-        """Admit and prefill waiting requests into free slots, then decode one token per running slot."""
+        """One scheduler iteration (see the module docstring); returns the samples that finished."""
+        finished, self._pending_aborts = self._pending_aborts, []
         with torch.inference_mode():
-            admitted = self._admit()
-            finished = self._forward(admitted, prefill=True) if admitted else []
-            running = list(self._running.values())
-            if running:
-                finished += self._forward(running, prefill=False)
+            decode = self._reserve_decode()
+            prefill = self._schedule_prefill()
+            if prefill:
+                finished += self._prefill(prefill)
+            if decode:
+                finished += self._decode(decode)
         return finished
 
-    def _admit(self) -> list[_Sequence]:
-        """Move waiting requests into free slots (FIFO)."""
-        admitted = []
-        while self._waiting and self._free_slots:
-            request = self._waiting.popleft()
-            generator = None
-            if request.sampling.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
-            seq = _Sequence(request, self._free_slots.pop(), generator)
-            self._running[request.request_id] = seq
-            admitted.append(seq)
-        return admitted
+    # ------------------------------------------------------------------ bookkeeping
 
-    def _forward(self, seqs: list[_Sequence], prefill: bool) -> list[Completion]:
-        """Run the model on new tokens of `seqs` (whole prompts or the last sampled token), sample one
-        token each, and return the sequences that finished."""
-        if prefill:
-            new_tokens = [s.request.prompt_ids for s in seqs]
+    def _take_row(self, seq: _Sequence) -> None:
+        seq.row = heapq.heappop(self._free_rows)
+        seq.admitted = self._stamp
+        self._stamp += 1
+        self._running[seq.row] = seq
+
+    def _free(self, seq: _Sequence) -> None:
+        """Give back the sequence's blocks and row (it stays in _live)."""
+        self.blocks.release(seq.table)
+        seq.table = []
+        seq.num_computed = seq.num_registered = 0
+        seq.synced = False
+        if seq.row >= 0:
+            del self._running[seq.row]
+            heapq.heappush(self._free_rows, seq.row)
+            seq.row = -1
+
+    def _requeue_followers(self, seq: _Sequence) -> None:
+        for follower in reversed(seq.followers):
+            self._waiting.appendleft(follower)
+        seq.followers = []
+
+    def _drop(self, seq: _Sequence) -> None:
+        """Remove a sequence from wherever it is (waiting, running, or following a leader)."""
+        if seq.row >= 0:
+            self._free(seq)
+            self._requeue_followers(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
         else:
-            new_tokens = [s.token_ids[-1:] for s in seqs]
-        num_new = max(len(t) for t in new_tokens)
-        padded = [t + [0] * (num_new - len(t)) for t in new_tokens]
-        tokens = torch.tensor(padded, dtype=torch.long, device=self.device)  # (B, T)
-        starts = torch.tensor([s.num_cached for s in seqs], device=self.device)
-        positions = starts[:, None] + torch.arange(num_new, device=self.device)  # (B, T)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        key_len = max(s.num_cached for s in seqs) + num_new
-        attn = _CacheAttention(self._cache, slots, positions, key_len)
-        hidden = self.model.hidden(tokens, positions, attn)  # (B, T, dim)
-        last = torch.tensor([len(t) - 1 for t in new_tokens], device=self.device)
-        # Project only the rows we sample from: a prefill never materialises (B, T, V) logits.
-        last_hidden = hidden[torch.arange(len(seqs), device=self.device), last]  # (B, dim)
-        last_logits = F.linear(last_hidden, self.model.output_weight)  # (B, V)
-        for seq, new in zip(seqs, new_tokens):
-            seq.num_cached += len(new)
-        return self._append(seqs, last_logits)
+            for leader in self._running.values():
+                if seq in leader.followers:
+                    leader.followers.remove(seq)
+                    break
 
-    def _append(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[Completion]:
-        """Sample from logits (B, V), append to each sequence, finish those that hit a limit."""
-        params = [s.request.sampling for s in seqs]
-        tokens, logprobs = sample_tokens(logits, params, [s.generator for s in seqs])
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
+        self._free(seq)
+        samples = self._live[seq.request.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self._live[seq.request.request_id]
+        return seq.completion(reason)
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free a running sequence's blocks; it goes back to the front of the queue, keeping its tokens."""
+        self.num_preemptions += 1
+        self._free(seq)
+        self._requeue_followers(seq)
+        self._waiting.appendleft(seq)
+
+    def _sync_table(self, seq: _Sequence) -> None:
+        if not seq.synced:
+            self._tables_cpu[seq.row, :len(seq.table)] = torch.tensor(seq.table, dtype=torch.int32)
+            seq.synced = True
+
+    def _register(self, seq: _Sequence) -> None:
+        """Put the sequence's newly full blocks into the prefix cache (same-version k/v only)."""
+        num_full = seq.num_computed // self.block_size
+        if not self.prefix_sharing or seq.cache_version != self.version or num_full <= seq.num_registered:
+            return
+        seq.hashes = block_hashes(seq.tokens, self.block_size, num_full, seq.hashes)
+        bs = self.block_size
+        for i in range(seq.num_registered, num_full):
+            parent = seq.hashes[i - 1] if i else 0
+            self.blocks.register(seq.table[i], seq.hashes[i], parent, tuple(seq.tokens[i * bs:(i + 1) * bs]))
+        seq.num_registered = num_full
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _reserve_decode(self) -> list[_Sequence]:
+        """The decode set, oldest first, each with a writable block for its new token."""
+        decode, copies = [], ([], [])
+        for seq in sorted(self._running.values(), key=lambda s: s.admitted):
+            if seq.row < 0 or len(seq.tokens) - seq.num_computed != 1:
+                continue  # preempted meanwhile, or still prefilling
+            index = seq.num_computed // self.block_size
+            while True:
+                needs = index == len(seq.table) or self.blocks.ref[seq.table[index]] > 1
+                if not needs or self.blocks.num_free > 0:
+                    break
+                victim = max(self._running.values(), key=lambda s: s.admitted)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.row < 0:
+                continue
+            self._sync_table(seq)
+            if index == len(seq.table):
+                seq.table.append(self.blocks.allocate())
+                self._tables_cpu[seq.row, index] = seq.table[index]
+            else:
+                source = self.blocks.writable(seq.table, index)
+                if source is not None:
+                    copies[0].append(source)
+                    copies[1].append(seq.table[index])
+                    self._tables_cpu[seq.row, index] = seq.table[index]
+            decode.append(seq)
+        self.kv.copy_blocks(*copies)
+        return decode
+
+    def _schedule_prefill(self) -> list[tuple[_Sequence, int]]:
+        """Rows of this step's prefill: (sequence, tokens to compute now), blocks allocated."""
+        rows: list[tuple[_Sequence, int]] = []
+        budget = self.max_num_batched_tokens
+        longest = 0
+
+        def fits(n: int) -> bool:
+            return not rows or (len(rows) + 1) * max(longest, n) <= self.max_num_batched_tokens
+
+        def grow(seq: _Sequence, n: int) -> bool:
+            need = math.ceil((seq.num_computed + n) / self.block_size) - len(seq.table)
+            if need > self.blocks.num_free:
+                return False
+            seq.table.extend(self.blocks.allocate() for _ in range(need))
+            seq.synced = seq.synced and need == 0
+            return True
+
+        for seq in sorted(self._running.values(), key=lambda s: s.admitted):
+            pending = len(seq.tokens) - seq.num_computed
+            if pending <= 1 or budget == 0:
+                continue
+            n = min(pending, budget)
+            if not fits(n) or not grow(seq, n):
+                break
+            rows.append((seq, n))
+            budget -= n
+            longest = max(longest, n)
+        while self._waiting and self._free_rows and budget > 0:
+            seq = self._waiting[0]
+            matched = []
+            if self.prefix_sharing:
+                num_full = (len(seq.tokens) - 1) // self.block_size  # the last token is always computed
+                seq.hashes = block_hashes(seq.tokens, self.block_size, num_full, seq.hashes)
+                matched = self.blocks.match(seq.hashes[:num_full], seq.tokens)
+            seq.table = matched
+            seq.num_computed = len(matched) * self.block_size
+            seq.num_registered = len(matched)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if not fits(n) or not grow(seq, n):
+                self.blocks.hits -= len(matched)
+                self.blocks.release(matched)
+                seq.table, seq.num_computed = [], 0
+                break
+            self._waiting.popleft()
+            self._take_row(seq)
+            seq.cache_version = self.version
+            while self.prefix_sharing and self._waiting and self._waiting[0].tokens == seq.tokens:
+                seq.followers.append(self._waiting.popleft())
+            rows.append((seq, n))
+            budget -= n
+            longest = max(longest, n)
+        return rows
+
+    # ------------------------------------------------------------------ forwards
+
+    def _prefill(self, rows: list[tuple[_Sequence, int]]) -> list[Completion]:
+        """One eager forward of the prefill rows; rows that complete sample their next token."""
+        bs, device = self.block_size, self.device
+        T = max(n for _, n in rows)
+        tokens, positions, slots = [], [], []
+        for seq, n in rows:
+            start = seq.num_computed
+            pos = list(range(start, start + T))
+            tokens.append(seq.tokens[start:start + n] + [0] * (T - n))
+            positions.append(pos)
+            slots.append([seq.table[p // bs] * bs + p % bs for p in pos[:n]] + [NULL_BLOCK] * (T - n))
+        nb = max(len(seq.table) for seq, _ in rows)
+        tables = torch.tensor([seq.table + [NULL_BLOCK] * (nb - len(seq.table)) for seq, _ in rows],
+                              dtype=torch.int32, device=device)
+        fresh = all(seq.num_computed == 0 for seq, _ in rows)
+        positions_t = torch.tensor(positions, device=device)  # (B, T)
+        attn = PagedAttention(self.kv, torch.tensor(slots, device=device), positions_t, tables, fresh=fresh)
+        hidden = self.model.hidden(torch.tensor(tokens, device=device), positions_t, attn)  # (B, T, dim)
+        self.num_prefill_tokens += sum(n for _, n in rows)
+
+        done_rows, last = [], []
+        for i, (seq, n) in enumerate(rows):
+            seq.num_computed += n
+            self._register(seq)
+            if seq.num_computed == len(seq.tokens):
+                done_rows.append(i)
+                last.append(n - 1)
+        if not done_rows:
+            return []
+        index = torch.tensor(done_rows, device=device)
+        logits = F.linear(hidden[index, torch.tensor(last, device=device)], self.model.output_weight)  # (D, V)
+        samplers, logit_rows = [], []
+        for j, i in enumerate(done_rows):
+            seq = rows[i][0]
+            samplers.append(seq)
+            logit_rows.append(j)
+            for follower in self._fork(seq):
+                samplers.append(follower)
+                logit_rows.append(j)
+        if len(logit_rows) != len(done_rows):
+            logits = logits[torch.tensor(logit_rows, device=device)]
+        batch = SamplingBatch.build([s.request.sampling for s in samplers], [s.seed for s in samplers], device)
+        return self._append(samplers, logits, batch)
+
+    def _fork(self, leader: _Sequence) -> list[_Sequence]:
+        """Followers take the leader's computed prompt (shared blocks) and a row each; the rest requeue."""
+        forked = []
+        while leader.followers and self._free_rows:
+            seq = leader.followers.pop(0)
+            for block in leader.table:
+                self.blocks.incref(block)
+            seq.table = list(leader.table)
+            seq.hashes = list(leader.hashes)
+            seq.num_computed = leader.num_computed
+            seq.num_registered = leader.num_registered
+            seq.cache_version = leader.cache_version
+            self._take_row(seq)
+            forked.append(seq)
+        self._requeue_followers(leader)
+        return forked
+
+    def _decode(self, seqs: list[_Sequence]) -> list[Completion]:
+        """One token for every sequence of the decode set, through the row buffers."""
+        bs = self.block_size
+        num_rows = max(s.row for s in seqs) + 1
+        B = next(b for b in self._buckets if b >= num_rows) if self.cuda_graphs else num_rows
+        if self.attention == "triton":
+            nb = self.max_blocks  # the kernel stops at each row's own length
+        else:
+            needed = max(s.num_computed // bs + 1 for s in seqs)
+            nb = min(1 << (needed - 1).bit_length(), self.max_blocks) if self.cuda_graphs else needed
+        if self.cuda_graphs and (B, nb) not in self._graphs:
+            self._capture(B, nb)
+
+        # token, position, slot, completion index per row; pads feed token 0 at position 0 to the null block
+        tok, pos, slot, count = [0] * B, [0] * B, [0] * B, [0] * B
+        for seq in seqs:
+            p, r = seq.num_computed, seq.row
+            tok[r], pos[r], slot[r] = seq.tokens[p], p, seq.table[p // bs] * bs + p % bs
+            count[r] = len(seq.tokens) - seq.num_prompt
+        dev = torch.tensor([tok, pos, slot, count]).to(self.device, non_blocking=True)
+        self._tokens[:B, 0].copy_(dev[0])
+        self._positions[:B, 0].copy_(dev[1])
+        self._slots[:B, 0].copy_(dev[2])
+        self._context_lens[:B].copy_(dev[1] + 1)
+        self._tables[:B].copy_(self._tables_cpu[:B], non_blocking=True)
+
+        if self.cuda_graphs:
+            graph, logits = self._graphs[(B, nb)]
+            graph.replay()
+        else:
+            logits = self._decode_forward(B, nb)
+        key = tuple(s.admitted if (s := self._running.get(r)) is not None else -1 for r in range(B))
+        if key != self._sampling_key:
+            by_row = [self._running.get(r) for r in range(B)]
+            params = [s.request.sampling if s is not None else SamplingParams(temperature=0.0) for s in by_row]
+            seeds = [s.seed if s is not None else 0 for s in by_row]
+            self._sampling_batch = SamplingBatch.build(params, seeds, self.device)
+            self._sampling_key = key
+        for seq in seqs:
+            seq.num_computed += 1
+            if seq.num_computed % bs == 0:
+                self._register(seq)
+        rows = torch.tensor([s.row for s in seqs], device=self.device)
+        return self._append(seqs, logits, self._sampling_batch, dev[3], rows)
+
+    def _decode_forward(self, B: int, nb: int) -> torch.Tensor:
+        """The decode forward over rows [0, B) of the buffers -> logits (B, V): what a graph captures."""
+        attn = PagedAttention(self.kv, self._slots[:B], self._positions[:B], self._tables[:B, :nb],
+                              self._context_lens[:B], backend=self.attention)
+        hidden = self.model.hidden(self._tokens[:B], self._positions[:B], attn)  # (B, 1, dim)
+        return F.linear(hidden[:, -1], self.model.output_weight)
+
+    def _capture(self, B: int, nb: int) -> None:
+        """Capture the decode forward for B rows and nb blocks; pads write only to the null block."""
+        self._tokens[:B].zero_()
+        self._positions[:B].zero_()
+        self._slots[:B].zero_()
+        self._context_lens[:B].fill_(1)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the triton kernel, create cuBLAS workspaces: outside the capture
+                self._decode_forward(B, nb)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._decode_forward(B, nb)
+        self._graphs[(B, nb)] = (graph, logits)
+
+    # ------------------------------------------------------------------ sampling and stopping
+
+    def _append(self, seqs: list[_Sequence], logits: torch.Tensor, batch: SamplingBatch,
+                counters: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> list[Completion]:
+        """Sample for seqs (logits row i, or row rows[i] of a row-indexed batch), append, finish."""
+        if counters is None:
+            counters = torch.tensor([len(s.tokens) - s.num_prompt for s in seqs], device=self.device)
+        tokens, logprobs = sample(logits, batch, counters)
+        if rows is not None:
+            tokens, logprobs = tokens[rows], logprobs[rows]
+        # One device-to-host transfer per step: fp32 logprobs and token ids are exact in float64.
+        out = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
         finished = []
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            seq.token_ids.append(token)
+        for seq, token, logprob in zip(seqs, out[0], out[1]):
+            seq.tokens.append(int(token))
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
+            self.num_first_tokens += len(seq.tokens) - seq.num_prompt == 1
             reason = self._finish_reason(seq)
             if reason is not None:
-                del self._running[seq.request.request_id]
-                self._free_slots.append(seq.slot)
-                finished.append(seq.completion(reason))
+                finished.append(self._finish(seq, reason))
         return finished
 
     def _finish_reason(self, seq: _Sequence) -> FinishReason | None:
-        """Why seq stops after its latest token, or None if it goes on."""
         sampling = seq.request.sampling
-        if seq.token_ids[-1] in sampling.stop_token_ids:
+        if seq.tokens[-1] in sampling.stop_token_ids:
             return "stop"
-        if len(seq.token_ids) >= sampling.max_tokens:
-            return "length"
-        # The latest token still needs a cache position before the next one can be sampled.
-        if len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len:
+        if sampling.stop:
+            window = max(len(s) for s in sampling.stop) + 4  # tokens are rarely shorter than one character
+            tail = self.detokenize(seq.generated[-window:])
+            if any(s in tail for s in sampling.stop):
+                return "stop"
+        if len(seq.tokens) - seq.num_prompt >= sampling.max_tokens or len(seq.tokens) >= self.max_model_len:
             return "length"
         return None
 
 
+def _check_model_fits(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError before moving a model that cannot fit the device's free memory."""
+    if device.type != "cuda":
+        return
+    need = sum(p.numel() * dtype.itemsize for p in model.parameters() if p.device != device)
+    free, total = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise ValueError(f"the model needs {need / 2**30:.2f} GiB in {dtype} but {device} has only "
+                         f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
+
+
 def generate(engine: InferenceEngine, requests: list[Request]) -> list[Completion]:
-    """Run requests to completion on engine; completions come back in request order."""
+    """Run requests to completion on engine; completions come back in request order, and the n
+    samples of one request next to each other in index order."""
     for request in requests:
         engine.add(request)
-    done: dict[int, Completion] = {}
+    done: dict[tuple[int, int], Completion] = {}
     while engine.has_work():
         for completion in engine.step():
-            done[completion.request_id] = completion
-    return [done[r.request_id] for r in requests]
+            done[completion.request_id, completion.index] = completion
+    return [done[r.request_id, i] for r in requests for i in range(r.sampling.n)]

@@ -1,7 +1,10 @@
-"""NativeEngine: parity with transformers greedy decoding and with the trainer's logprobs,
-stopping rules, seeded sampling, abort, and in-place weight swaps between steps."""
+"""NativeEngine: parity with transformers greedy decoding and with the trainer's logprobs (paged or
+not, shared prefixes or not), stopping rules, n samples, seeds, abort, in-flight weight swaps,
+multi-turn continuation, preemption and scheduler invariants under random traffic."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -13,9 +16,8 @@ from meshrl.runtime.engine import (
     NativeEngine,
     Request,
     SamplingParams,
+    continuation_ids,
     generate,
-    sample_tokens,
-    top_p_filter,
 )
 
 VOCAB = 96
@@ -31,8 +33,8 @@ def tiny_args() -> Qwen3Args:
 def tiny_model(seed: int = 0) -> Qwen3:
     """A random fp32 2-layer Qwen3 with GQA (4 query heads on 2 kv heads).
 
-    Weight matrices are scaled up 8x from init_weights(): at std 0.02 (and tied embeddings) the
-    model just echoes its last token, which would make greedy parity tests vacuous.
+    Weight matrices are scaled up 8x from init_weights(): at std 0.02 the model just echoes its
+    last token, which would make greedy parity tests vacuous.
     """
     with torch.device("meta"):
         model = Qwen3(tiny_args())
@@ -45,10 +47,10 @@ def tiny_model(seed: int = 0) -> Qwen3:
     return model
 
 
-def make_engine(model: Qwen3, max_num_seqs: int = 2, max_model_len: int = 64) -> NativeEngine:
-    return NativeEngine(
-        model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cpu", dtype=torch.float32
-    )
+def make_engine(model: Qwen3, max_num_seqs: int = 2, max_model_len: int = 64, **kwargs) -> NativeEngine:
+    kwargs.setdefault("block_size", 4)
+    return NativeEngine(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cpu",
+                        dtype=torch.float32, **kwargs)
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -58,6 +60,20 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def requests_for(prompts: list[list[int]], **sampling) -> list[Request]:
     return [Request(i, p, SamplingParams(**sampling)) for i, p in enumerate(prompts)]
+
+
+def drain(engine: NativeEngine) -> list[Completion]:
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    return done
+
+
+def assert_no_leak(engine: NativeEngine) -> None:
+    engine.blocks.check()
+    assert all(r == 0 for r in engine.blocks.ref), "a block is still referenced"
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1
+    assert sorted(engine._free_rows) == list(range(engine.max_num_seqs)) and not engine._running
 
 
 @torch.no_grad()
@@ -71,51 +87,70 @@ def trainer_logprobs(model: Qwen3, completion: Completion, temperature: float, d
     return logp.gather(-1, torch.tensor(completion.token_ids, device=device)[:, None]).squeeze(-1)
 
 
+@torch.no_grad()
+def greedy_reference(model: Qwen3, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by full forwards (no cache at all)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_engine_satisfies_protocol():
-    engine = make_engine(tiny_model())
-    assert isinstance(engine, InferenceEngine)
+    assert isinstance(make_engine(tiny_model()), InferenceEngine)
 
 
-def test_greedy_matches_transformers(tmp_path):
+# Mixed lengths, a prompt that extends another (shared full blocks) and an exact duplicate (fork).
+_BASE = random_prompts([13, 3, 5, 1, 9], seed=0)
+PARITY_PROMPTS = _BASE + [_BASE[0] + [7, 8, 9], list(_BASE[0])]
+PARITY_MAX_TOKENS = [9, 4, 12, 7, 6, 8, 10]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     from meshrl.models.hf import save_hf_model
 
-    model = tiny_model()
-    save_hf_model(model, tiny_args(), tmp_path / "model")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
-
-    prompts = random_prompts([3, 11, 5, 1, 8])
-    max_tokens = [9, 4, 12, 7, 6]
-    requests = [
-        Request(i, p, SamplingParams(temperature=0.0, max_tokens=n))
-        for i, (p, n) in enumerate(zip(prompts, max_tokens))
-    ]
-    # Fewer slots than requests: later requests are admitted as earlier ones finish.
-    completions = generate(make_engine(model, max_num_seqs=2), requests)
-
-    for prompt, n, completion in zip(prompts, max_tokens, completions):
+    path = tmp_path_factory.mktemp("hf") / "model"
+    save_hf_model(tiny_model(), tiny_args(), path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for prompt, n in zip(PARITY_PROMPTS, PARITY_MAX_TOKENS):
         with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=n,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert completion.token_ids == out[0, len(prompt) :].tolist()
-        assert completion.finish_reason == "length"
-        assert completion.versions == [0] * n
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("block_size,prefix_sharing", [(4, True), (4, False), (64, True)],
+                         ids=["paged-shared", "paged-unshared", "one-block-per-seq"])
+def test_greedy_matches_transformers(hf_greedy, block_size, prefix_sharing):
+    requests = [Request(i, p, SamplingParams(temperature=0.0, max_tokens=n))
+                for i, (p, n) in enumerate(zip(PARITY_PROMPTS, PARITY_MAX_TOKENS))]
+    # Fewer rows than requests: later requests are admitted as earlier ones finish.
+    engine = make_engine(tiny_model(), max_num_seqs=3, block_size=block_size, prefix_sharing=prefix_sharing)
+    completions = generate(engine, requests)
+
+    assert [c.token_ids for c in completions] == hf_greedy
+    assert all(c.finish_reason == "length" and c.versions == [0] * n for c, n in zip(completions, PARITY_MAX_TOKENS))
+    assert len({tuple(t) for t in hf_greedy}) > 3  # not a degenerate echo
+    num_prompt_tokens = sum(len(p) for p in PARITY_PROMPTS)
+    if prefix_sharing and block_size == 4:
+        assert engine.num_prefill_tokens < num_prompt_tokens  # shared blocks were not recomputed
+    else:
+        assert engine.num_prefill_tokens >= num_prompt_tokens - len(PARITY_PROMPTS[-1])
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_logprobs_match_full_forward(temperature):
-    torch.manual_seed(0)
     model = tiny_model()
     prompts = random_prompts([4, 9, 2, 13, 6, 7], seed=1)
+    truncations = [{}, dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(top_k=20, top_p=0.8), {}]
     requests = [
-        # top_p filters what is sampled, never the reported logprobs.
-        Request(i, p, SamplingParams(temperature=temperature, top_p=0.9 if i % 2 else 1.0, max_tokens=10 + i))
+        # Truncation filters what is sampled, never the reported logprobs.
+        Request(i, p, SamplingParams(temperature=temperature, max_tokens=10 + i, **truncations[i]))
         for i, p in enumerate(prompts)
     ]
     completions = generate(make_engine(model, max_num_seqs=4), requests)
@@ -125,13 +160,13 @@ def test_logprobs_match_full_forward(temperature):
         ref_lp = trainer_logprobs(model, completion, temperature)
         assert (engine_lp - ref_lp).abs().max().item() <= 1e-5
         log_ratio = ref_lp - engine_lp  # tokens were drawn from the engine's distribution
-        k3 = (log_ratio.exp() - 1 - log_ratio).mean().item()
-        assert k3 <= 1e-6
+        assert (log_ratio.exp() - 1 - log_ratio).mean().item() <= 1e-6
 
 
 def test_greedy_logprobs_are_temperature_one():
     model = tiny_model()
     (completion,) = generate(make_engine(model), requests_for(random_prompts([5]), temperature=0.0, max_tokens=8))
+    assert completion.token_ids == greedy_reference(model, completion.prompt_ids, 8)
     ref_lp = trainer_logprobs(model, completion, 1.0)
     assert torch.allclose(torch.tensor(completion.logprobs), ref_lp, atol=1e-5)
 
@@ -139,8 +174,6 @@ def test_greedy_logprobs_are_temperature_one():
 def test_stop_token_ends_completion_and_is_included():
     model = tiny_model()
     prompt = random_prompts([6])
-    # Seeded sampling: both runs draw the same tokens up to the stop (greedy on a random tiny model
-    # tends to repeat one token).
     sampling = dict(temperature=1.0, max_tokens=20, seed=11)
     (ref,) = generate(make_engine(model), requests_for(prompt, **sampling))
     # First token that does not occur before its position: the run must stop right there.
@@ -154,7 +187,28 @@ def test_stop_token_ends_completion_and_is_included():
     assert out.logprobs == pytest.approx(ref.logprobs[: stop_at + 1], abs=1e-6)
 
 
-def test_max_tokens_and_full_slot_end_with_length():
+def letters(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_string_ends_after_the_token_that_completes_it():
+    model = tiny_model()
+    prompt = random_prompts([6], seed=2)
+    sampling = dict(temperature=1.0, max_tokens=24, seed=5)
+    (ref,) = generate(make_engine(model, detokenize=letters), requests_for(prompt, **sampling))
+    text = letters(ref.token_ids)
+    # A two-letter string first seen ending at token k (and nowhere earlier).
+    k = next(i for i in range(2, len(text)) if text[i - 1:i + 1] not in text[:i])
+    stop = text[k - 1:k + 1]
+
+    engine = make_engine(model, detokenize=letters)
+    (out,) = generate(engine, requests_for(prompt, **sampling, stop=(stop, "zzzzzz")))
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[:k + 1]
+    with pytest.raises(ValueError, match="detokenize"):
+        make_engine(model).add(Request(1, [1, 2], SamplingParams(stop=("x",))))
+
+
+def test_max_tokens_and_max_model_len_end_with_length():
     model = tiny_model()
     engine = make_engine(model, max_model_len=16)
     short, long, longest = random_prompts([3, 10, 15])
@@ -162,7 +216,7 @@ def test_max_tokens_and_full_slot_end_with_length():
         engine,
         [
             Request(0, short, SamplingParams(max_tokens=5)),
-            Request(1, long, SamplingParams(max_tokens=64)),  # slot holds 16 tokens: 6 fit
+            Request(1, long, SamplingParams(max_tokens=64)),  # 16 tokens in all: 6 fit
             Request(2, longest, SamplingParams(max_tokens=64)),  # one token, never cached
         ],
     )
@@ -178,14 +232,6 @@ def test_max_tokens_and_full_slot_end_with_length():
         engine.add(Request(5, [1, VOCAB]))
 
 
-@pytest.mark.parametrize(
-    "kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(stop_token_ids=(-1,))]
-)
-def test_sampling_params_validation(kwargs):
-    with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
-
-
 def test_duplicate_live_request_id_rejected():
     engine = make_engine(tiny_model())
     engine.add(Request(7, [1, 2, 3]))
@@ -193,13 +239,19 @@ def test_duplicate_live_request_id_rejected():
         engine.add(Request(7, [4, 5]))
 
 
+def test_kv_cache_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs 16"):
+        make_engine(tiny_model(), max_model_len=64, num_blocks=10)
+
+
 def test_seed_gives_same_tokens_whatever_the_batch():
     model = tiny_model()
     prompt = random_prompts([5], seed=3)[0]
     seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=123)
     (alone,) = generate(make_engine(model), [Request(0, prompt, seeded)])
+    (again,) = generate(make_engine(model), [Request(0, prompt, seeded)])
+    assert again.token_ids == alone.token_ids
 
-    torch.manual_seed(1)
     others = random_prompts([2, 9, 4], seed=4)
     batch = [Request(10 + i, p, SamplingParams(temperature=1.0, max_tokens=5 + 4 * i)) for i, p in enumerate(others)]
     batch.insert(1, Request(0, prompt, seeded))
@@ -211,28 +263,70 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     assert together[-1].token_ids != alone.token_ids  # another seed, another sample
 
 
-def test_abort_frees_slot_and_returns_partial_completion():
+@pytest.mark.parametrize("as_n", [True, False], ids=["sampling.n", "identical-requests"])
+def test_samples_of_one_prompt_prefill_once_and_copy_on_write(as_n):
+    model = tiny_model()
+    prompt = random_prompts([10], seed=8)[0]  # 2 full blocks of 4 + a shared partial block
+    singles = [generate(make_engine(model), [Request(0, prompt, SamplingParams(max_tokens=12, seed=40 + i))])[0]
+               for i in range(4)]
+
+    engine = make_engine(model, max_num_seqs=4)
+    if as_n:
+        out = generate(engine, [Request(3, prompt, SamplingParams(max_tokens=12, n=4, seed=40))])
+        assert [c.index for c in out] == [0, 1, 2, 3] and {c.request_id for c in out} == {3}
+    else:
+        out = generate(engine, [Request(i, prompt, SamplingParams(max_tokens=12, seed=40 + i)) for i in range(4)])
+    assert engine.num_prefill_tokens == len(prompt)
+    for c, single in zip(out, singles):  # each sample equals its own unshared run: no sample wrote another's keys
+        assert c.token_ids == single.token_ids
+        assert c.logprobs == pytest.approx(single.logprobs, abs=1e-5)
+    assert len({tuple(c.token_ids) for c in out}) == 4
+    assert_no_leak(engine)
+
+
+def test_abort_frees_blocks_and_returns_partial_completion():
     model = tiny_model()
     prompts = random_prompts([4, 7, 5], seed=5)
-    engine = make_engine(model, max_num_seqs=1)
+    engine = make_engine(model, max_num_seqs=1, prefix_sharing=False)
     for r in requests_for(prompts, temperature=0.0, max_tokens=30):
         engine.add(r)
 
     engine.step()
     engine.step()
+    in_use = engine.blocks.num_blocks - 1 - engine.blocks.num_free
+    assert in_use == 2  # 4 prompt tokens + 1 decoded, blocks of 4
     aborted = engine.abort(0)
     assert aborted is not None and aborted.finish_reason == "abort"
-    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions) > 0
+    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions) == 2
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1  # freed at once
     assert engine.abort(0) is None  # no longer live
     waiting = engine.abort(2)  # never admitted
     assert waiting is not None and waiting.finish_reason == "abort" and waiting.token_ids == []
 
-    done = []
-    while engine.has_work():
-        done += engine.step()
+    done = drain(engine)
     assert [c.request_id for c in done] == [1]
-    (alone,) = generate(make_engine(model), [Request(1, prompts[1], SamplingParams(temperature=0.0, max_tokens=30))])
-    assert done[0].token_ids == alone.token_ids  # the freed slot's stale cache did not leak in
+    assert done[0].token_ids == greedy_reference(model, prompts[1], 30)  # freed blocks' stale keys did not leak in
+    assert_no_leak(engine)
+
+
+def test_abort_of_n_samples_reports_every_sample():
+    engine = make_engine(tiny_model(), max_num_seqs=4)
+    engine.add(Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=30, n=3, seed=1)))
+    engine.step()
+    engine.step()
+    first = engine.abort(0)
+    assert first is not None and first.index == 0
+    rest = engine.step()
+    assert sorted(c.index for c in rest) == [1, 2] and all(c.finish_reason == "abort" for c in rest)
+    assert not engine.has_work()
+    assert_no_leak(engine)
+
+
+def perturb_(model: Qwen3, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def test_weight_swap_between_steps_keeps_requests_and_records_versions():
@@ -245,57 +339,172 @@ def test_weight_swap_between_steps_keeps_requests_and_records_versions():
     assert engine.model is model  # weight sync writes into this module's parameters
     for r in requests_for(prompts, **sampling):
         engine.add(r)
-    done = engine.step() + engine.step() + engine.step()  # 4 tokens each (prefill + 3 decodes)
+    done = engine.step() + engine.step() + engine.step()  # prefill (1 token), then 1 token per decode step
     assert done == []
 
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in engine.model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    perturb_(engine.model)
     engine.set_version(1)
-    while engine.has_work():
-        done += engine.step()
-    done.sort(key=lambda c: c.request_id)
+    done = sorted(drain(engine), key=lambda c: c.request_id)
 
     for new, old in zip(done, ref):
         assert new.finish_reason == "length" and len(new.token_ids) == 12
-        assert new.versions == [0] * 4 + [1] * 8
-        assert new.token_ids[:4] == old.token_ids[:4]
-    assert any(new.token_ids[4:] != old.token_ids[4:] for new, old in zip(done, ref))
+        assert new.versions == [0] * 3 + [1] * 9
+        assert new.token_ids[:3] == old.token_ids[:3]
+    assert any(new.token_ids[3:] != old.token_ids[3:] for new, old in zip(done, ref))
 
 
-def test_top_p_filter_keeps_nucleus():
-    probs = torch.tensor([[0.2, 0.5, 0.3], [0.2, 0.5, 0.3], [0.2, 0.5, 0.3]])
-    out = top_p_filter(probs, torch.tensor([0.6, 0.5, 1.0]))
-    expected = torch.tensor([[0.0, 0.5, 0.3], [0.0, 0.5, 0.0], [0.2, 0.5, 0.3]])
-    assert torch.equal(out, expected)
+@pytest.mark.parametrize("bump_version", [True, False])
+def test_new_version_drops_the_prefix_cache(bump_version):
+    model = tiny_model()
+    engine = make_engine(model)
+    prompt = random_prompts([14], seed=9)[0]
+    generate(engine, [Request(0, prompt, SamplingParams(temperature=0.0, max_tokens=3))])
+    hits = engine.blocks.hits
+    perturb_(model)
+    if bump_version:
+        engine.set_version(1)
+    (out,) = generate(engine, [Request(1, prompt, SamplingParams(temperature=0.0, max_tokens=6))])
+    if bump_version:
+        assert engine.blocks.hits == hits  # nothing computed by the old weights was reused
+        assert out.token_ids == greedy_reference(model, prompt, 6)
+    else:
+        assert engine.blocks.hits > hits  # the control: same version, the cached prefix is reused
 
 
-def test_sample_tokens_greedy_and_tiny_top_p_pick_argmax():
-    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_p=0.01)]
-    tokens, logprobs = sample_tokens(logits, params, [None, torch.Generator().manual_seed(0)])
-    assert tokens.tolist() == [1, 0]
-    expected = torch.stack([torch.log_softmax(logits[0], -1)[1], torch.log_softmax(logits[1] / 2.0, -1)[0]])
-    assert torch.allclose(logprobs, expected)
-    assert logprobs.dtype == torch.float32
+def test_multi_turn_continuation_reuses_earlier_turns():
+    model = tiny_model()
+    engine = make_engine(model, max_model_len=96)
+    prompt = random_prompts([9], seed=10)[0]
+    (turn1,) = generate(engine, [Request(0, prompt, SamplingParams(temperature=0.0, max_tokens=14))])
+    env_tokens = [5, 6, 7]
+    prompt2 = continuation_ids(turn1, env_tokens)
+    assert prompt2 == prompt + turn1.token_ids + env_tokens
+
+    computed = engine.num_prefill_tokens
+    (turn2,) = generate(engine, [Request(1, prompt2, SamplingParams(temperature=0.0, max_tokens=10))])
+    # Only the blocks the first turn never completed are computed: at most one partial block + new tokens.
+    assert engine.num_prefill_tokens - computed <= len(env_tokens) + 1 + 2 * engine.block_size
+    assert engine.num_prefill_tokens - computed < len(prompt2) // 2
+    assert turn2.token_ids == greedy_reference(model, prompt2, 10)
+
+
+def test_preemption_when_blocks_run_out_gives_the_same_tokens():
+    model = tiny_model()
+    prompts = random_prompts([6, 9, 3, 7], seed=11)
+    requests = [Request(i, p, SamplingParams(temperature=0.9, max_tokens=40, seed=i)) for i, p in enumerate(prompts)]
+    roomy = generate(make_engine(model, max_num_seqs=4), requests)
+    # 4 sequences of up to 49 tokens need ~52 blocks of 4; 20 force preemptions.
+    tight = make_engine(model, max_num_seqs=4, num_blocks=20)
+    out = generate(tight, [Request(r.request_id, r.prompt_ids, r.sampling) for r in requests])
+    assert tight.num_preemptions > 0
+    assert [c.token_ids for c in out] == [c.token_ids for c in roomy]
+    assert_no_leak(tight)
+
+
+def test_chunked_prefill_matches_whole_prefill():
+    model = tiny_model()
+    prompts = random_prompts([30, 4, 21], seed=12)
+    requests = requests_for(prompts, temperature=0.0, max_tokens=8)
+    engine = make_engine(model, max_num_seqs=3, max_num_batched_tokens=8)
+    out = generate(engine, requests)
+    assert [c.token_ids for c in out] == [greedy_reference(model, p, 8) for p in prompts]
+
+
+def test_scheduler_invariants_under_random_traffic():
+    """Random arrivals, lengths, stop ids, n and aborts on a tight cache: every sample comes back
+    exactly once (finished or aborted), nothing is duplicated, and no block or row leaks."""
+    rng = random.Random(0)
+    engine = make_engine(tiny_model(), max_num_seqs=5, max_model_len=40, num_blocks=24, max_num_batched_tokens=24)
+    expected: dict[tuple[int, int], None] = {}
+    seen: list[tuple[int, int]] = []
+    live: list[int] = []
+    next_id = 0
+    for step in range(300):
+        if step < 220 and rng.random() < 0.5:
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
+            if rng.random() < 0.2 and live:  # same prompt as an earlier request: fork / prefix hits
+                prompt = list(engine._live[live[-1]][0].request.prompt_ids) if live[-1] in engine._live else prompt
+            n = rng.choice([1, 1, 1, 2, 3])
+            sampling = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 20), n=n,
+                                      stop_token_ids=(rng.randrange(VOCAB),))
+            engine.add(Request(next_id, prompt, sampling))
+            expected.update({(next_id, i): None for i in range(n)})
+            live.append(next_id)
+            next_id += 1
+        if live and rng.random() < 0.1:
+            rid = live.pop(rng.randrange(len(live)))
+            aborted = engine.abort(rid)
+            if aborted is not None:
+                seen.append((aborted.request_id, aborted.index))
+        for c in engine.step():
+            seen.append((c.request_id, c.index))
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
+        engine.blocks.check()
+    seen += [(c.request_id, c.index) for c in drain(engine)]
+    assert len(seen) == len(set(seen)), "a sample completed twice"
+    assert set(seen) == set(expected), "a sample was lost"
+    assert_no_leak(engine)
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def cuda_engine(model: Qwen3, dtype: torch.dtype, **kwargs) -> NativeEngine:
+    return NativeEngine(model, max_num_seqs=6, max_model_len=64, device="cuda", dtype=dtype, **kwargs)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_logprobs_match_full_forward(dtype):
-    """On CUDA the engine's logprobs match a full forward of the same model in the same dtype."""
+    """On CUDA (graphs, default attention) the logprobs match a full forward in the same dtype."""
     model = tiny_model()
-    engine = NativeEngine(model, max_num_seqs=3, max_model_len=64, device="cuda", dtype=dtype)
+    engine = cuda_engine(model, dtype)
     prompts = random_prompts([4, 9, 2, 13, 6], seed=1)
     requests = [Request(i, p, SamplingParams(temperature=0.7, max_tokens=12, seed=i)) for i, p in enumerate(prompts)]
     completions = generate(engine, requests)
 
-    max_diff, k3_max = (1e-5, 1e-6) if dtype == torch.float32 else (0.1, 1e-3)
+    max_diff, k3_max = (1e-4, 1e-6) if dtype == torch.float32 else (0.1, 1e-3)
     for completion in completions:
         engine_lp = torch.tensor(completion.logprobs)
-        ref_lp = trainer_logprobs(model, completion, 0.7, device="cuda").cpu()
+        ref_lp = trainer_logprobs(engine.model, completion, 0.7, device="cuda").cpu()
         assert (engine_lp - ref_lp).abs().max().item() <= max_diff
         log_ratio = ref_lp - engine_lp
         assert (log_ratio.exp() - 1 - log_ratio).mean().item() <= k3_max
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_cuda_graph_decode_equals_eager_decode(attention):
+    """Graph replays (bucketed batch, padded rows) decode what eager forwards decode, in fp32."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    prompts = random_prompts([4, 9, 2, 13, 6, 30, 1], seed=3)
+    requests = [Request(i, p, SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=20 + i, seed=i))
+                for i, p in enumerate(prompts)]
+    eager = generate(cuda_engine(tiny_model(), torch.float32, cuda_graphs=False, attention="torch"), requests)
+    engine = cuda_engine(tiny_model(), torch.float32, cuda_graphs=True, attention=attention)
+    graphed = generate(engine, [Request(r.request_id, r.prompt_ids, r.sampling) for r in requests])
+    assert engine._graphs, "no graph was captured"
+    for a, b in zip(eager, graphed):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_greedy_matches_full_forward_mostly():
+    """bf16 engine (graphs, triton when available) vs bf16 full forwards: same greedy tokens for
+    most of each sequence (bf16 rounding may flip a near-tie late in a sequence)."""
+    model = tiny_model()
+    engine = cuda_engine(model, torch.bfloat16)
+    prompts = random_prompts([5, 12, 3], seed=4)
+    out = generate(engine, requests_for(prompts, temperature=0.0, max_tokens=12))
+    for prompt, c in zip(prompts, out):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                logits = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None])
+                ids.append(int(logits[0, -1].argmax()))
+        assert c.token_ids[:4] == ids[len(prompt):]

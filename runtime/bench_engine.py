@@ -1,0 +1,162 @@
+"""`meshrl bench engine`: native engine throughput on a fixed synthetic workload, beside transformers.
+
+    meshrl bench engine [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
+                        [--device cuda|cpu] [--no-hf] [--block-size 16] [--attention auto|torch|triton]
+                        [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0]
+
+A model of the flavor (Qwen3 family by default) with random weights; `num_seqs` random prompts
+of `prompt_tokens` tokens, all submitted at once, each sampled (temperature 1, no truncation, no
+stop token) for exactly `gen_tokens` tokens. The KV cache is sized to the workload. On CUDA one
+untimed run of the same shape (other prompts, so nothing comes from the prefix cache) captures the
+CUDA graphs first. Prints one JSON line:
+
+- tokens_per_s: generated tokens / wall time from submission to the last completion;
+- time_to_first_token_s: mean over sequences of the time from submission to their first token;
+- peak_memory_gib: CUDA: peak allocated memory of the engine run (weights + KV cache + activations);
+  CPU: the process's peak resident memory;
+- hf_tokens_per_s, speedup_vs_hf (unless --no-hf): transformers `generate` on the same weights
+  (saved through models/hf.py), same dtype, same batch and lengths, sampling, EOS off.
+
+Defaults: the 0.6B flavor in bf16 on CUDA, the demo's tiny flavor in fp32 on CPU. Nothing is
+asserted here; docs/benchmarks.md records runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+import time
+
+import torch
+
+from meshrl.models import get_family
+from meshrl.runtime.engine import NativeEngine, Request, SamplingParams
+
+
+def build_model(family: str, flavor: str, device: torch.device, dtype: torch.dtype, seed: int):
+    """A randomly initialised model of the flavor on device in dtype -> (model, args)."""
+    fam = get_family(family)
+    if flavor not in fam.flavors:
+        raise SystemExit(f"meshrl bench engine: unknown flavor {flavor!r} of {family} (known: {sorted(fam.flavors)})")
+    args = fam.flavors[flavor]
+    with torch.device("meta"):
+        model = fam.model_cls(args)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    return model.to(dtype), args
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: NativeEngine, prompts: list[list[int]], gen_tokens: int, seed: int) -> dict:
+    """Submit every prompt at once and step to the end -> wall_s, tokens, mean time to first token."""
+    _sync(engine.device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(temperature=1.0, max_tokens=gen_tokens, seed=seed * 1_000_003 + i)
+        engine.add(Request(i, prompt, sampling))
+    first_tokens = engine.num_first_tokens
+    ttft_sum, tokens = 0.0, 0
+    while engine.has_work():
+        for completion in engine.step():
+            tokens += len(completion.token_ids)
+        now = time.perf_counter() - start
+        ttft_sum += (engine.num_first_tokens - first_tokens) * now
+        first_tokens = engine.num_first_tokens
+    _sync(engine.device)
+    return {"wall_s": time.perf_counter() - start, "tokens": tokens, "ttft_s": ttft_sum / len(prompts)}
+
+
+def run_hf(model, args, prompts: list[list[int]], gen_tokens: int, device: torch.device, dtype: torch.dtype) -> float:
+    """transformers generate on the same weights and workload -> generated tokens per second."""
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.models.hf import save_hf_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_model(model, args, f"{tmp}/model")
+        hf = AutoModelForCausalLM.from_pretrained(f"{tmp}/model", dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        if device.type == "cuda":  # warm up kernels and allocator
+            hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        _sync(device)
+        start = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=gen_tokens, min_new_tokens=gen_tokens, **kwargs)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+    assert out.shape == (len(prompts), ids.shape[1] + gen_tokens)
+    return len(prompts) * gen_tokens / elapsed
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="meshrl bench engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen3")
+    parser.add_argument("--flavor", default=None, help="default: 0.6B on CUDA, tiny on CPU")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(argv)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("meshrl bench engine: --device cuda but CUDA is not available")
+    flavor = opts.flavor or ("0.6B" if device.type == "cuda" else "tiny")
+    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+    model, args = build_model(opts.family, flavor, device, dtype, opts.seed)
+    max_model_len = opts.prompt_tokens + opts.gen_tokens
+    blocks_per_seq = -(-(max_model_len - 1) // opts.block_size)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = NativeEngine(model, max_num_seqs=opts.num_seqs, max_model_len=max_model_len, device=device,
+                          dtype=dtype, block_size=opts.block_size, num_blocks=opts.num_seqs * blocks_per_seq + 1,
+                          max_num_batched_tokens=opts.max_num_batched_tokens, attention=opts.attention,
+                          cuda_graphs=device.type == "cuda" and not opts.no_cuda_graphs, seed=opts.seed)
+    vocab = model.output_weight.shape[0]
+    if device.type == "cuda":  # capture the graphs of this shape outside the timed run
+        run_engine(engine, random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed + 1), opts.gen_tokens,
+                   opts.seed + 1)
+    prompts = random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed)
+    stats = run_engine(engine, prompts, opts.gen_tokens, opts.seed)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "family": opts.family, "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
+        "num_seqs": opts.num_seqs, "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens,
+        "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
+        "tokens_per_s": stats["tokens"] / stats["wall_s"],
+        "time_to_first_token_s": stats["ttft_s"],
+        "peak_memory_gib": peak,
+        "wall_s": stats["wall_s"],
+    }
+    if not opts.no_hf:
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf_tps = run_hf(model, args, prompts, opts.gen_tokens, device, dtype)
+        result["hf_tokens_per_s"] = hf_tps
+        result["speedup_vs_hf"] = result["tokens_per_s"] / hf_tps
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}), flush=True)

@@ -1,0 +1,371 @@
+"""Paged KV cache for the native engine: blocks, block tables, prefix cache, paged attention.
+
+Storage. One tensor holds every layer's keys and values, shaped
+(n_layers, 2, num_blocks, block_size, Hkv, D). A sequence owns a *block table*: the list of
+block ids holding its positions 0.., block_size positions per block. Block 0 is the null
+block: it is never handed out, padded rows write their garbage k/v there and padded table
+entries point at it, so fixed-shape (CUDA-graph) batches need no branches.
+
+Blocks. `BlockManager` counts references per block. A block filled with known tokens is
+*registered* in the prefix cache under a hash chained over (parent hash, its token ids), so the
+key names the whole prefix, not just the block's tokens. A new sequence looks its full prompt
+blocks up and takes a reference on every hit instead of recomputing them. Shared blocks are
+immutable: a sequence only writes at positions past what it shares, except right after a fork
+(n samples of one prompt share the prompt's last, partly filled block); writing into a block
+with more than one reference first copies it (copy-on-write, `BlockManager.writable`).
+A registered block whose last reference goes away stays cached (least recently freed first out)
+until an allocation needs it, so a later turn of a multi-turn episode reuses its earlier turns.
+
+Attention. `PagedAttention` is the models' `AttentionContext` over this cache: it writes the new
+k/v into their slots (block * block_size + offset) and attends over each row's blocks.
+
+- "torch" backend (CPU and GPU): gather the rows' blocks into a contiguous (B, Hkv, L, D)
+  tensor by block table, then one SDPA call with a boolean mask (key position <= query
+  position). GQA is folded into the query length (the g query heads of a kv head become g x T
+  query rows), so k/v are never repeated. Exact, simple, and fixed-shape when L is bucketed,
+  but it moves every gathered key twice.
+- "triton" backend (CUDA decode only, T == 1): `paged_decode_attention` reads k/v straight from
+  the blocks with an online softmax, one program per (row, kv head), looping over that row's
+  blocks up to its own length. It reads each cached key once, which is what the decode loop is
+  bound by. It is used only if triton imports; prefill always takes the torch path (prefill
+  without a cached prefix uses SDPA's causal kernel on the new tokens directly).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NULL_BLOCK = 0
+
+AttentionBackend = Literal["torch", "triton"]
+
+
+# ---------------------------------------------------------------------------- block bookkeeping
+
+
+def block_hashes(tokens: list[int], block_size: int, num_blocks: int, start: list[int] | None = None) -> list[int]:
+    """Chained hashes of the first `num_blocks` full blocks of `tokens`; `start` holds known ones."""
+    hashes = list(start or [])
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[-1] if hashes else 0
+        hashes.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))))
+    return hashes
+
+
+@dataclass
+class _CachedBlock:
+    key: int
+    parent: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class BlockManager:
+    """Reference-counted blocks 1..num_blocks-1 with an LRU prefix cache (block 0 is the null block).
+
+    Invariant: every usable block is in exactly one of: `free` (no references, no content),
+    `evictable` (no references, registered content), or in use (ref > 0, maybe registered).
+    """
+
+    num_blocks: int
+    block_size: int
+    ref: list[int] = field(init=False)
+    free: list[int] = field(init=False)
+    evictable: OrderedDict[int, None] = field(init=False, default_factory=OrderedDict)
+    cached: dict[int, int] = field(init=False, default_factory=dict)  # key -> block
+    info: dict[int, _CachedBlock] = field(init=False, default_factory=dict)  # block -> its key and content
+    hits: int = 0
+    """Blocks served from the prefix cache so far (a statistic)."""
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {self.num_blocks}")
+        self.ref = [0] * self.num_blocks
+        self.free = list(range(self.num_blocks - 1, 0, -1))  # pop() hands out block 1 first
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (free or evictable)."""
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self) -> int:
+        """A block with one reference; evicts the least recently freed cached block if needed."""
+        if self.free:
+            block = self.free.pop()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self._unregister(block)
+        else:
+            raise RuntimeError("KV cache out of blocks (the scheduler must check num_free first)")
+        assert self.ref[block] == 0
+        self.ref[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.evictable[block]
+        self.ref[block] += 1
+
+    def decref(self, block: int) -> None:
+        assert self.ref[block] > 0, f"block {block} freed twice"
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if block in self.info:
+                self.evictable[block] = None  # most recently freed: evicted last
+            else:
+                self.free.append(block)
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference on every block of a block table."""
+        for block in table:
+            self.decref(block)
+
+    def match(self, hashes: list[int], tokens: list[int]) -> list[int]:
+        """Cached blocks for the longest run of `hashes` found, each with a new reference."""
+        blocks = []
+        for i, key in enumerate(hashes):
+            block = self.cached.get(key)
+            if block is None:
+                break
+            entry = self.info[block]
+            # A hash collision must not hand out another prefix's keys: compare the content.
+            if entry.tokens != tuple(tokens[i * self.block_size:(i + 1) * self.block_size]) or \
+                    entry.parent != (hashes[i - 1] if i else 0):
+                break
+            self.incref(block)
+            blocks.append(block)
+        self.hits += len(blocks)
+        return blocks
+
+    def register(self, block: int, key: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """Record that `block` (in use) holds the full block `tokens` after the prefix `parent`."""
+        assert self.ref[block] > 0 and len(tokens) == self.block_size
+        if key in self.cached or block in self.info:
+            return  # the same content is cached already (e.g. two samples that agree)
+        self.cached[key] = block
+        self.info[block] = _CachedBlock(key, parent, tokens)
+
+    def _unregister(self, block: int) -> None:
+        entry = self.info.pop(block)
+        del self.cached[entry.key]
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every registered block (new weights make cached keys stale); blocks in use stay."""
+        for block in list(self.info):
+            self._unregister(block)
+        while self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self.free.append(block)
+
+    def writable(self, table: list[int], index: int) -> int | None:
+        """Make table[index] exclusively owned before a write; returns the source block to copy
+        from when a new block was swapped in (copy-on-write), else None."""
+        block = table[index]
+        if self.ref[block] == 1 and block not in self.info:
+            return None
+        if self.ref[block] == 1:
+            # Sole owner of a registered block about to change: its cache entry would lie.
+            self._unregister(block)
+            return None
+        new = self.allocate()
+        self.decref(block)
+        table[index] = new
+        return block
+
+    def check(self) -> None:
+        """Assert the bookkeeping invariants (for tests)."""
+        free, evictable = set(self.free), set(self.evictable)
+        assert len(free) == len(self.free) and not free & evictable and NULL_BLOCK not in free | evictable
+        for block in range(1, self.num_blocks):
+            in_use = self.ref[block] > 0
+            assert in_use + (block in free) + (block in evictable) == 1, f"block {block} is lost or doubly owned"
+            assert (block in evictable) <= (block in self.info)
+        assert all(self.cached[e.key] == b for b, e in self.info.items()) and len(self.cached) == len(self.info)
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+class KVCache:
+    """The k/v storage: (n_layers, 2, num_blocks, block_size, Hkv, D) in the model dtype.
+
+    layer_ids: the ids the model passes to `attend`, in the order of the storage's first dim.
+    """
+
+    def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros((len(layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim),
+                                dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """(k, v) of one layer, each (num_blocks, block_size, Hkv, D)."""
+        kv = self.data[self.index[layer_id]]
+        return kv[0], kv[1]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
+        if src:
+            s = torch.tensor(src, device=self.data.device)
+            d = torch.tensor(dst, device=self.data.device)
+            self.data[:, :, d] = self.data[:, :, s]
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
+    """cache (num_blocks, bs, Hkv, D), tables (B, nb) -> (B, Hkv, nb * bs, D) keys in position order."""
+    B, nb = tables.shape
+    _, bs, num_kv_heads, head_dim = cache.shape
+    return cache[tables].view(B, nb * bs, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q (B, Hq, T, D), k/v (B, Hkv, L, D), mask (B, 1, T, L) bool -> (B, Hq, T, D).
+
+    The Hq / Hkv query heads that share a kv head are stacked along the query length, so a
+    masked (memory-efficient) kernel runs GQA without repeating k/v.
+    """
+    B, num_q_heads, T, D = q.shape
+    group = num_q_heads // k.shape[1]
+    qf = q.reshape(B, k.shape[1], group * T, D)  # head h = kv_head * group + j -> rows j * T + t
+    maskf = mask.repeat(1, 1, group, 1) if group > 1 else mask
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf)
+    return out.view(B, num_q_heads, T, D)
+
+
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
+                              positions: Tensor) -> Tensor:
+    """The torch backend. q (B, Hq, T, D) at positions (B, T); tables (B, nb) cover every position.
+
+    Query at position p sees cached keys 0..p of its row (causal within the new tokens).
+    """
+    keys = gather_blocks(k_cache, tables)  # (B, Hkv, L, D)
+    values = gather_blocks(v_cache, tables)
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, L)
+    return grouped_sdpa(q, keys, values, mask)
+
+
+def triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+_TRITON_KERNEL = None
+
+
+def _build_triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr,
+               stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb, stride_ob, stride_oh, scale,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        ctx = tl.load(ctx_ptr + row)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, BLOCK)
+        g_mask = g < GROUP
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None], other=0.0).to(tl.float32)  # (G, D)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for i in range(0, (ctx + BLOCK - 1) // BLOCK):
+            block = tl.load(table_ptr + row * stride_tb + i).to(tl.int64)
+            pos = i * BLOCK + n
+            k_mask = pos < ctx
+            offs = block * stride_kb + n[:, None] * stride_kp + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + offs, mask=k_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK, D)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BLOCK)
+            s = tl.where(k_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + offs, mask=k_mask[:, None], other=0.0).to(tl.float32)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+    return kernel
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, context_lens: Tensor) -> Tensor:
+    """The triton backend for one new token per row. q (B, Hq, 1, D); tables (B, nb) int32;
+    context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D)."""
+    global _TRITON_KERNEL
+    if _TRITON_KERNEL is None:
+        _TRITON_KERNEL = _build_triton_kernel()
+    B, num_q_heads, T, D = q.shape
+    assert T == 1, "the triton kernel decodes one token per row"
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    q2 = q[:, :, 0, :].contiguous()  # (B, Hq, D)
+    out = torch.empty_like(q2)
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    _TRITON_KERNEL[(B, num_kv_heads)](
+        q2, k_cache, v_cache, tables, context_lens, out,
+        q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1), D ** -0.5,
+        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), BLOCK=block_size, D=D,
+    )
+    return out[:, :, None, :]
+
+
+class PagedAttention:
+    """AttentionContext of one engine forward over the paged cache.
+
+    slots (B, T) long: where each new token's k/v goes (pads -> the null block). positions (B, T)
+    long: each new token's absolute position. tables (B, nb) int32: the rows' block tables, padded
+    with the null block; nb * block_size must reach past every row's last position.
+    context_lens (B,) int32: positions + 1 of the last new token (decode kernel only).
+    fresh: no row has cached tokens before its new ones (a plain prefill), so attention can run
+    causally on the new tokens alone.
+    """
+
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, tables: Tensor,
+                 context_lens: Tensor | None = None, backend: AttentionBackend = "torch", fresh: bool = False) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.positions = positions
+        self.tables = tables
+        self.tables_long = tables.long()
+        self.context_lens = context_lens
+        self.backend = backend
+        self.fresh = fresh
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); k/v are written to the cache first."""
+        k_cache, v_cache = self.cache.layer(layer_id)
+        num_kv_heads, head_dim = k.shape[1], k.shape[3]
+        flat = self.slots.reshape(-1)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat, k.transpose(1, 2).reshape(-1, num_kv_heads, head_dim))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, num_kv_heads, head_dim))
+        if self.fresh:
+            # Right padding sits after every real token, so causal attention never reads it.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.backend == "triton":
+            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens)
+        return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions)

@@ -1,0 +1,190 @@
+"""Sampling parameters and the batched, seeded sampler of the native engine.
+
+One call samples a token for every row of a (B, V) logits batch with that row's own
+temperature, top_k, min_p and top_p, on the logits' device, with a handful of batched kernels
+and no Python loop over rows.
+
+Logprobs. The logprob reported for a sampled token is fp32 `log_softmax(logits / temperature)`
+over the full vocabulary, before any truncation (top_k, min_p, top_p), which is what the
+trainer recomputes from its own forward. Greedy rows (temperature 0) report temperature-1
+logprobs.
+
+Truncation, in this order: top_k keeps the k largest logits (ties with the k-th are kept);
+min_p keeps tokens whose probability is at least min_p times the row's largest; top_p keeps
+the smallest set of most likely remaining tokens whose mass reaches top_p of what is left
+(the top token always survives). The token is then drawn from the renormalised remainder.
+
+Randomness. Row r draws its token by inverse-CDF with one uniform number that is a hash of
+(its seed, the index of the token in its completion). It depends on nothing else: not on the
+batch, the other rows, a global RNG or the device, so a seeded request gives the same tokens
+whatever it is batched with, after a preemption, and on a CUDA graph replay (up to the logits
+themselves, which a GPU computes with batch-shape-dependent rounding). Requests without a seed
+get one from the engine's RNG when they are added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled.
+
+    temperature: 0 means greedy (argmax); its logprobs are then those of temperature 1.
+    top_k: keep the k most likely tokens (0 = off). min_p: keep tokens with probability at
+        least min_p times the top token's (0 = off). top_p: nucleus of the remaining mass (1 = off).
+        None of them changes the reported logprobs.
+    max_tokens: most tokens to generate (the stop token counts).
+    stop_token_ids: generation ends after sampling one of these (put the tokenizer's EOS here);
+        the stop token is part of the completion.
+    stop: stop strings; generation ends after the token that completes one of them in the
+        decoded completion (that token is kept). Needs the engine's `detokenize`.
+    n: samples of the prompt; they share its prefill and come back as n completions with
+        `index` 0..n-1 and the same request_id.
+    seed: when set, sample i uses seed + i and its tokens depend only on that seed and the
+        logits, not on the rest of the batch. Without it the engine picks a seed.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and stored as tuples (the dataclass is hashable).
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed < 2**63 - self.n:
+            raise ValueError(f"seed must be in [0, 2**63 - n), got {self.seed}")
+
+
+# ---------------------------------------------------------------------------- counter-based RNG
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow (split c in 16-bit halves)."""
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (hi + x * (c & 0xFFFF)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds: Tensor, counters: Tensor) -> Tensor:
+    """seeds (B,) int64 >= 0, counters (B,) int64 -> (B,) float64 uniform in [0, 1), 48 random bits."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    a = _mix32(lo ^ _mix32(hi ^ _mix32(counters & _M32)))
+    b = _mix32(a ^ _mix32(lo + 0x9E3779B9 & _M32))
+    return (a * 65536 + (b >> 16)).double() / 2.0**48
+
+
+# ---------------------------------------------------------------------------- batched sampler
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters on the device, plus what the host knows about them.
+
+    temperature, top_p, min_p (B,) fp32; top_k, seeds (B,) int64. max_top_k / use_top_p /
+    use_min_p / all_greedy let the sampler skip the work no row asks for (e.g. the vocabulary
+    sort of top_p).
+    """
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    min_p: Tensor
+    seeds: Tensor
+    max_top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> SamplingBatch:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            max_top_k=max((p.top_k for p in params if p.temperature > 0), default=0),
+            use_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
+            use_min_p=any(p.min_p > 0.0 and p.temperature > 0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
+        )
+
+
+def truncate(probs: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
+    """Zero what top_k, min_p and top_p drop (see the module docstring). probs, scaled (B, V) fp32."""
+    if batch.max_top_k > 0:
+        k = batch.top_k.clamp(max=min(batch.max_top_k, scaled.shape[1]))
+        top = scaled.topk(min(batch.max_top_k, scaled.shape[1]), dim=-1).values  # (B, K) descending
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])  # (B, 1)
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        probs = probs.masked_fill(scaled < kth, 0.0)
+    if batch.use_min_p:
+        floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if batch.use_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        total = sorted_probs.sum(dim=-1, keepdim=True)
+        # Rows with top_p == 1 keep everything: float rounding of the sum must not cut their tail.
+        drop = (mass_above >= batch.top_p[:, None] * total) & (batch.top_p[:, None] < 1.0)
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tensor, Tensor]:
+    """Sample one token per row. logits (B, V) any float dtype; counters (B,) int64 (the index of
+    the token in its completion) -> (tokens (B,) int64, logprobs (B,) fp32)."""
+    logits = logits.float()
+    greedy = batch.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = logits / temperature[:, None]  # (B, V)
+    logp = torch.log_softmax(scaled, dim=-1)
+    argmax = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = argmax
+    else:
+        probs = truncate(logp.exp(), scaled, batch)
+        cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so 150k-token sums keep 48-bit draws meaningful
+        target = hash_uniform(batch.seeds, counters) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+        drawn = drawn.clamp(max=logits.shape[1] - 1)
+        tokens = torch.where(greedy, argmax, drawn)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
