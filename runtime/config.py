@@ -160,8 +160,33 @@ class InferenceConfig(Base):
     """Sequences decoded together in one batch per replica."""
     max_model_len: int = Field(512, ge=8)
     """Prompt plus completion tokens a sequence may reach."""
+    block_size: int = Field(16, ge=1)
+    """Native engine: tokens per block of the paged KV cache."""
+    num_blocks: int | None = Field(None, ge=2)
+    """Native engine: KV-cache size in blocks; unset: from kv_cache_memory_fraction on GPU, room for
+    max_num_seqs full-length sequences on CPU."""
+    kv_cache_memory_fraction: float = Field(0.85, gt=0, le=1)
+    """Native engine: fraction of the GPU memory left free after loading the model that the KV cache takes."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Native engine: prefill tokens per step (padded batch x length); unset: max(8192, max_model_len)."""
+    prefix_sharing: bool = True
+    """Native engine: reuse cached prompt blocks and prefill the samples of one prompt once (copy-on-write)."""
+    cuda_graphs: bool = True
+    """Native engine: replay decode steps from CUDA graphs captured per batch-size bucket (GPU only)."""
+    attention: Literal["auto", "torch", "triton"] = "auto"
+    """Native engine: decode attention over the paged cache, a triton kernel (GPU) or gather + SDPA;
+    auto = triton when it is installed and the device is a GPU."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Ranks per engine replica; only 1 is implemented (no tensor parallelism inside a replica yet)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
+
+    @model_validator(mode="after")
+    def _one_rank_per_replica(self) -> "InferenceConfig":
+        if self.tensor_parallel != 1:
+            raise ValueError(f"inference.tensor_parallel ({self.tensor_parallel}) must be 1: tensor parallelism "
+                             "inside an engine replica is not implemented; add inference ranks instead")
+        return self
 
     @model_validator(mode="after")
     def _vllm_logprobs(self) -> "InferenceConfig":
