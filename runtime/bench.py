@@ -20,7 +20,8 @@ from meshrl.runtime import launch as launching
 from meshrl.runtime import rl
 from meshrl.runtime.config import ConfigError, RLConfig, parse_args, validate
 
-USAGE = "usage: meshrl bench rl @ cfg.toml [--async-steps K] [--warmup N] [--dotted.key value ...]"
+USAGE = ("usage: meshrl bench rl @ cfg.toml [--async-steps K] [--warmup N] [--dotted.key value ...]\n"
+         "       meshrl bench trainer --help")
 
 
 def summarize(rows: list[dict], warmup: int) -> dict:
@@ -65,6 +66,11 @@ def bench_rl(argv: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "trainer":
+        from meshrl.runtime import bench_trainer
+
+        bench_trainer.main(argv[1:])
+        return
     if not argv or argv[0] != "rl":
         launching.fail(USAGE)
     bench_rl(argv[1:])

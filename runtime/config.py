@@ -93,21 +93,39 @@ class LossConfig(Base):
 
 
 class ParallelConfig(Base):
-    """Degrees of the trainer sub-mesh. Their product must equal the number of trainer ranks."""
+    """How the trainer sub-mesh parallelizes the model (see parallel/ and docs/parallelism.md).
+
+    dp_replicate x dp_shard x cp must equal the number of trainer ranks; ep splits the
+    dp_shard x cp ranks further for the experts of a MoE model.
+    """
 
     dp_replicate: int = Field(1, ge=1)
-    """Replicated data-parallel degree (HSDP outer axis)."""
+    """Replicated data-parallel degree (HSDP outer axis: FSDP2 shards within, all-reduces across)."""
     dp_shard: int = Field(-1, ge=-1)
     """Sharded data-parallel degree (FSDP2); -1 takes all trainer ranks left over."""
     cp: int = Field(1, ge=1)
-    """Context-parallel degree."""
+    """Context-parallel degree: each packed row is split over this many ranks (exact attention)."""
     ep: int = Field(1, ge=1)
-    """Expert-parallel degree (MoE models)."""
+    """Expert-parallel degree (MoE models): experts split over ep ranks, tokens moved by all-to-all."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: full blocks, or selective (keep matmul/attention outputs)."""
+    ac_every: int = Field(1, ge=1)
+    """With activation_checkpointing = "full": checkpoint every N-th block only."""
+    compile: bool = False
+    """torch.compile every transformer block (GPU; on CPU it needs a C++ compiler)."""
+
+    def dims(self, num_ranks: int):
+        """The validated `parallel.dims.ParallelDims` for `num_ranks` trainer ranks."""
+        from meshrl.parallel.dims import ParallelDims
+
+        return ParallelDims.resolve(num_ranks, self.dp_replicate, self.dp_shard, self.cp, self.ep)
 
     @model_validator(mode="after")
     def _no_zero(self) -> "ParallelConfig":
         if self.dp_shard == 0:
             raise ValueError("trainer.parallel.dp_shard must be >= 1 or -1 (all remaining ranks)")
+        if self.ac_every > 1 and self.activation_checkpointing != "full":
+            raise ValueError("trainer.parallel.ac_every applies only to activation_checkpointing = \"full\"")
         return self
 
 
@@ -122,6 +140,12 @@ class TrainerConfig(Base):
     """Parallel degrees of the trainer sub-mesh."""
     micro_batch_tokens: int = Field(2048, ge=16)
     """Tokens per packed micro-batch row (several documents per row)."""
+    attention: Literal["auto", "sdpa", "flex", "varlen", "flash_attn"] = "auto"
+    """Attention kernel for packed rows: auto = flex on GPU, sdpa (with a document mask) on CPU."""
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
+    moe_aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the MoE load-balancing loss (its value is logged as moe/aux_loss either way)."""
 
 
 # ----------------------------------------------------------------------------- inference
@@ -163,10 +187,10 @@ class InferenceConfig(Base):
     block_size: int = Field(16, ge=1)
     """Native engine: tokens per block of the paged KV cache."""
     num_blocks: int | None = Field(None, ge=2)
-    """Native engine: KV-cache size in blocks; unset: from kv_cache_memory_fraction on GPU, room for
-    max_num_seqs full-length sequences on CPU."""
+    """Native engine: KV-cache size in blocks; unset: room for max_num_seqs full-length sequences, on GPU
+    at most kv_cache_memory_fraction of the memory left free after loading the model."""
     kv_cache_memory_fraction: float = Field(0.85, gt=0, le=1)
-    """Native engine: fraction of the GPU memory left free after loading the model that the KV cache takes."""
+    """Native engine: most of the GPU memory left free after loading the model that the KV cache may take."""
     max_num_batched_tokens: int | None = Field(None, ge=1)
     """Native engine: prefill tokens per step (padded batch x length); unset: max(8192, max_model_len)."""
     prefix_sharing: bool = True
@@ -390,13 +414,8 @@ class SFTConfig(Base):
 
 
 def check_parallel(p: ParallelConfig, num_ranks: int) -> None:
-    """Raise ValueError unless dp_replicate x dp_shard x cp covers exactly `num_ranks`."""
-    if p.cp != 1 or p.ep != 1 or p.dp_replicate != 1:
-        raise ValueError("trainer.parallel: only dp_shard is implemented so far (dp_replicate, cp and ep must be 1)")
-    if p.dp_shard not in (-1, num_ranks):
-        raise ValueError(
-            f"trainer.parallel.dp_shard ({p.dp_shard}) x dp_replicate x cp must equal the {num_ranks} trainer ranks"
-        )
+    """Raise ValueError unless the degrees fit `num_ranks` trainer ranks (see parallel.dims)."""
+    p.dims(num_ranks)
 
 
 # ----------------------------------------------------------------------------- parsing

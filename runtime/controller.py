@@ -236,10 +236,14 @@ class Controller:
             return
         samples, stats = self._build_samples(step)
         ranks = self.layout.roles.trainers
-        batches = pack(samples, self.cfg.trainer.micro_batch_tokens, len(ranks), pad_id=self.tokenizer.pad_token_id or 0)
+        # one stream of micro-batches per data rank; the cp ranks of a data rank share it
+        dims = self.cfg.trainer.parallel.dims(len(ranks))
+        batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
+                       pad_id=self.tokenizer.pad_token_id or 0)
         num_loss_tokens = count_loss_tokens(batches)
         meta = {"step": step, "num_loss_tokens": num_loss_tokens}
-        for rank, mbs in zip(ranks, batches):
+        for index, rank in enumerate(ranks):
+            mbs = batches[dims.data_rank(index)]
             data = TensorDict({str(i): mb for i, mb in enumerate(mbs)}, batch_size=[])
             transport.send(Message("train", {**meta, "num_micro_batches": len(mbs)}, data), rank, self.layout.down[rank])
         self.clock.training = True

@@ -189,8 +189,8 @@ class NativeEngine:
     max_num_seqs: rows, i.e. most sequences running at once.
     max_model_len: most tokens (prompt + completion) of one sequence.
     block_size: tokens per KV block. num_blocks: size of the cache in blocks (block 0 is the null
-        block); default: on CUDA `kv_cache_memory_fraction` of the device memory left free once the
-        model is loaded, on CPU enough for max_num_seqs full-length sequences.
+        block); default: room for max_num_seqs full-length sequences, on CUDA at most
+        `kv_cache_memory_fraction` of the device memory left free once the model is loaded.
     max_num_batched_tokens: prefill tokens per step (padded B x T); default max(8192, max_model_len).
     prefix_sharing: prefix cache and prefill-once forks of identical prompts (off: every sequence
         computes its whole prompt).
@@ -243,13 +243,6 @@ class NativeEngine:
         self.version = 0
         self.vocab_size = self.model.output_weight.shape[0]
         is_cuda = self.device.type == "cuda"
-        if attention == "auto":
-            attention = "triton" if is_cuda and triton_available() else "torch"
-        if attention == "triton" and not is_cuda:
-            raise ValueError("attention='triton' needs a CUDA device; use 'torch'")
-        if attention not in ("torch", "triton"):
-            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {attention!r}")
-        self.attention = attention
         self.cuda_graphs = is_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not is_cuda:
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -262,13 +255,24 @@ class NativeEngine:
             self.model.hidden(one, one, probe)
         layer_ids = [layer_id for layer_id, _, _ in probe.layers]
         _, num_kv_heads, head_dim = probe.layers[0]
+        # The kernel's tiles span a block and a head: triton ranges need powers of two.
+        kernel_fits = _is_pow2(block_size) and _is_pow2(head_dim)
+        if attention == "auto":
+            attention = "triton" if is_cuda and triton_available() and kernel_fits else "torch"
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {attention!r}")
+        if attention == "triton" and not (is_cuda and kernel_fits):
+            raise ValueError(f"attention='triton' needs a CUDA device and power-of-two block_size ({block_size}) "
+                             f"and head_dim ({head_dim}); use 'torch'")
+        self.attention = attention
         per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, dtype)
         if num_blocks is None:
+            # More blocks than max_num_seqs full-length sequences only lengthen the prefix cache's
+            # memory: never take more by default (an engine for a small eval stays small).
+            num_blocks = max_num_seqs * self.max_blocks + 1
             if is_cuda:
                 free, _ = torch.cuda.mem_get_info(self.device)
-                num_blocks = int(kv_cache_memory_fraction * free) // per_block
-            else:
-                num_blocks = max_num_seqs * self.max_blocks + 1
+                num_blocks = min(num_blocks, int(kv_cache_memory_fraction * free) // per_block)
         if num_blocks - 1 < self.max_blocks:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks - 1, 0)} blocks of {block_size} tokens "
@@ -686,6 +690,10 @@ class NativeEngine:
         if len(seq.tokens) - seq.num_prompt >= sampling.max_tokens or len(seq.tokens) >= self.max_model_len:
             return "length"
         return None
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
 
 
 def _check_model_fits(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

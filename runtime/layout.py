@@ -9,8 +9,8 @@ rendezvous, not by us.
 
 Process groups (every rank creates all of them, in the same order, as torch requires):
 - the default group: gloo on CPU, "cpu:gloo,cuda:nccl" on GPU;
-- `trainer`: the trainer ranks, wrapped in a DeviceMesh with named axes (dp_shard today,
-  dp_replicate/cp/ep later) — FSDP2 runs on it;
+- `trainer`: the trainer ranks (statistics, barriers); their FSDP/CP/EP groups and meshes
+  come from parallel.dims.build_meshes, created by the trainer ranks alone;
 - `inference`: the inference ranks, a DeviceMesh with the axis "replica";
 - `sync`: trainer rank 0 + all inference ranks, for the weight broadcast (NCCL on GPU);
 - `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from meshrl.parallel.dims import ParallelDims, TrainerMeshes, build_meshes
 
 CONTROLLER, TRAINER, INFERENCE = "controller", "trainer", "inference"
 
@@ -130,7 +132,7 @@ class Layout:
     trainer_group: dist.ProcessGroup | None = None
     inference_group: dist.ProcessGroup | None = None
     sync_group: dist.ProcessGroup | None = None
-    trainer_mesh: DeviceMesh | None = None
+    trainer_meshes: TrainerMeshes | None = None
     inference_mesh: DeviceMesh | None = None
     down: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     up: dict[int, dist.ProcessGroup] = field(default_factory=dict)
@@ -145,8 +147,10 @@ class Layout:
 
 
 def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float, message_timeout_s: float,
-                 cuda: bool) -> Layout:
+                 cuda: bool, dims: ParallelDims | None = None) -> Layout:
     """Create every group (all ranks, same order) and the sub-meshes this rank belongs to.
+
+    `dims` are the trainer's parallel degrees (default: plain FSDP2 over all trainer ranks).
 
     The controller always runs on the CPU, whatever device its local rank would have had.
     """
@@ -162,9 +166,11 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
     for r in (*roles.trainers, *roles.inference):
         lay.down[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
         lay.up[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
+    # every rank takes part in creating the trainer's groups; only trainers get meshes
+    dims = dims if dims is not None else ParallelDims.resolve(len(roles.trainers))
+    lay.trainer_meshes = build_meshes(dims, list(roles.trainers), rank, device.type, timeout)
     if rank in roles.trainers:
         lay.trainer_group = trainer_group
-        lay.trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp_shard",))
     if rank in roles.inference:
         lay.inference_group = inference_group
         lay.inference_mesh = DeviceMesh.from_group(inference_group, device.type, mesh_dim_names=("replica",))

@@ -65,7 +65,8 @@ def run_rank(cfg: RLConfig, run_dir: Path) -> None:
     roles = assign_roles(world, cfg.layout.num_trainer_ranks, cfg.layout.num_inference_ranks, find_controller(device))
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
-    layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda)
+    layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda,
+                          cfg.trainer.parallel.dims(cfg.layout.num_trainer_ranks))
     log.info("pid %d; roles: controller %d, trainers %s, inference %s; device %s", os.getpid(), roles.controller,
              roles.trainers, roles.inference, layout.device)
     # guarded again, now that the role is known: the error file names it
@@ -91,8 +92,10 @@ def run_trainer(cfg: RLConfig, layout: Layout) -> None:
     tokenizer = load_tokenizer_for(cfg.model)
     model, args = build_policy(cfg.model, device, torch.float32, tokenizer=tokenizer)
     dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
-    parallelize(model, layout.trainer_mesh, dtype)
-    trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, cfg.layout.num_trainer_ranks)
+    p = cfg.trainer.parallel
+    parallelize(model, layout.trainer_meshes, dtype, p.activation_checkpointing, p.ac_every, p.compile)
+    trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, layout.trainer_meshes,
+                      cfg.trainer.attention, cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
     src = layout.roles.trainers[0]
     leader = layout.is_trainer_leader
 

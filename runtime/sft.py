@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from meshrl.envs import make_env
 from meshrl.parallel import full_tensors, parallelize
+from meshrl.parallel.dims import build_meshes
 from meshrl.runtime import launch as launching
 from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import SFTConfig
@@ -64,9 +64,12 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
     tokenizer = load_tokenizer_for(cfg.model)
     env = make_env(cfg.env.name, **cfg.env.kwargs())
     model, args = build_policy(cfg.model, device, torch.float32, tokenizer=tokenizer)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp_shard",))
-    parallelize(model, mesh, compute_dtype(cfg.model, device))
-    trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, world)
+    dims = cfg.trainer.parallel.dims(world)
+    meshes = build_meshes(dims, list(range(world)), rank, device.type)
+    p = cfg.trainer.parallel
+    parallelize(model, meshes, compute_dtype(cfg.model, device), p.activation_checkpointing, p.ac_every, p.compile)
+    trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, meshes, cfg.trainer.attention,
+                      cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
     metrics = MetricsWriter(run_dir) if leader else None
     progress = ProgressLine(cfg.max_steps, leader, "sft")
     if leader:
@@ -80,8 +83,9 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
             prompt = tokenizer.encode(ex.prompt, add_special_tokens=False)
             completion = tokenizer.encode(env.sft_completion(ex), add_special_tokens=False) + [eos]
             examples.append((prompt, completion))
-        batches = pack_sft(examples, cfg.trainer.micro_batch_tokens, world, pad_id=tokenizer.pad_token_id or 0)
-        stats = trainer.sft_step(batches[rank], count_loss_tokens(batches))
+        batches = pack_sft(examples, cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
+                           pad_id=tokenizer.pad_token_id or 0)
+        stats = trainer.sft_step(batches[dims.data_rank(rank)], count_loss_tokens(batches))
         row = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens/train": stats["train_tokens"], "time/train_s": stats["train_time_s"],
                "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9)}

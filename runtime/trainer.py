@@ -1,11 +1,16 @@
 """The trainer: one optimizer step over packed micro-batches, for RL and SFT.
 
-Every trainer rank holds an FSDP2 shard of the policy and receives its own list of packed
-micro-batches for the step (the controller gives every rank the same number). The loss of
-each micro-batch is a sum over its loss tokens divided by the step's global loss-token
-count, multiplied by the data-parallel size to cancel FSDP's gradient averaging (see
-runtime/algorithms.py), so the update is the per-token mean over the global batch whatever
-the split. Statistics are sums, all-reduced once per step over the trainer group.
+Every trainer rank holds an FSDP2 shard of the policy and receives the packed micro-batches
+of its *data rank* for the step (the controller gives every data rank the same number; the
+cp ranks of one data rank receive the same rows and each keeps its piece, see
+parallel/context_parallel.py). The loss of each micro-batch is a sum over its loss tokens
+divided by the step's global loss-token count, and FSDP2 sums (does not average) gradients
+over the data-parallel ranks (parallel/parallelize.py), so the update is the per-token mean
+over the global batch whatever the split. Statistics are sums, all-reduced once per step
+over the trainer group.
+
+Logprobs come from a chunked LM head (runtime/logprob_head.py) that runs inside the model's
+forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,26 +21,37 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from meshrl.models.common.attention import DocumentCausalAttention
+from meshrl.models.common.attention import make_document_attention
+from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats
+from meshrl.parallel.dims import TrainerMeshes
+from meshrl.parallel.parallelize import clip_grad_norm_
 from meshrl.runtime import algorithms
 from meshrl.runtime.config import LossConfig, OptimConfig
+from meshrl.runtime.logprob_head import LogprobHead
 
 _STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", "pg_loss_sum",
-              "kl_loss_sum", "nll_sum", "tokens")
+              "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
 
 
 class Trainer:
-    """Optimizer, schedule and the step functions around an (already parallelized) model."""
+    """Optimizer, schedule and the step functions around an (already parallelized) model.
+
+    `meshes` carries the cp group (None: no context parallelism); `attention` names the
+    packed-row attention kernel ("auto": flex on GPU, sdpa on CPU).
+    """
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, device: torch.device,
-                 group: dist.ProcessGroup | None, dp_size: int):
+                 group: dist.ProcessGroup | None, meshes: TrainerMeshes | None = None, attention: str = "auto",
+                 logprob_chunk_tokens: int = 4096, moe_aux_loss_coef: float = 0.0):
         self.model = model
         self.cfg = cfg
         self.device = device
         self.group = group
-        self.dp_size = dp_size
+        self.meshes = meshes
+        self.attention = ("flex" if device.type == "cuda" else "sdpa") if attention == "auto" else attention
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.moe_aux_loss_coef = moe_aux_loss_coef
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
@@ -44,12 +60,24 @@ class Trainer:
         self.version = 0
         """Optimizer steps taken = the policy version the weights now carry."""
 
-    def _forward(self, mb: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities (1, T) of the targets and entropies (1, T) of one packed row."""
+    @property
+    def cp(self) -> int:
+        return 1 if self.meshes is None else self.meshes.dims.cp
+
+    def _forward(self, mb: TensorDict, temperature: float) -> tuple[TensorDict, torch.Tensor, torch.Tensor]:
+        """This rank's piece of one packed row, with its target logprobs (1, T') and entropies (1, T')."""
         mb = mb.to(self.device)
-        attn = DocumentCausalAttention(mb["doc_ids"])
-        logits = self.model(mb["input_ids"], mb["position_ids"], attn)  # (1, T, V)
-        return algorithms.token_logprobs(logits, mb["targets"], temperature)
+        if self.cp > 1:
+            from meshrl.parallel.context_parallel import ContextParallelAttention, cp_split, pad_for_cp
+
+            full = pad_for_cp(mb, self.cp)
+            mb, local_index = cp_split(full, self.meshes.cp_rank, self.cp)
+            attn = ContextParallelAttention(full["doc_ids"], local_index, self.meshes.cp_group)
+        else:
+            attn = make_document_attention(mb["doc_ids"], self.attention)
+        head = LogprobHead(mb["targets"], temperature, self.logprob_chunk_tokens)
+        logprobs, entropy = self.model(mb["input_ids"], mb["position_ids"], attn, head=head)
+        return mb, logprobs, entropy
 
     def rl_step(self, micro_batches: list[TensorDict], num_loss_tokens: int, loss: LossConfig,
                 temperature: float) -> dict[str, float]:
@@ -58,13 +86,14 @@ class Trainer:
         self.model.train()
         sums = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            logprobs, entropy = self._forward(mb, temperature)
-            mask = mb["loss_mask"].to(self.device)
+            mb, logprobs, entropy = self._forward(mb, temperature)
+            mask = mb["loss_mask"]
             value, stats = algorithms.policy_loss(
-                logprobs, mb["inference_logprobs"].to(self.device), mb["advantages"].to(self.device), mask,
+                logprobs, mb["inference_logprobs"], mb["advantages"], mask,
                 delta_low=loss.delta_low, delta_high=loss.delta_high, kl_coef=loss.kl_coef,
                 num_loss_tokens=max(num_loss_tokens, 1))
-            (value * self.dp_size).backward()
+            value = self._with_aux(value, mask, num_loss_tokens, stats)
+            value.backward()
             stats["entropy_sum"] = torch.where(mask, entropy, 0.0).sum()
             stats["tokens"] = torch.tensor(float(mb["input_ids"].numel()))
             sums += torch.stack([stats.get(k, torch.tensor(0.0)).to(sums) for k in _STAT_KEYS])
@@ -83,6 +112,7 @@ class Trainer:
             "loss_tokens": out["loss_tokens"],
             "train_tokens": out["tokens"],
             "train_time_s": time.perf_counter() - start,
+            **self._moe_stats(out),
         }
 
     def sft_step(self, micro_batches: list[TensorDict], num_loss_tokens: int) -> dict[str, float]:
@@ -91,10 +121,14 @@ class Trainer:
         self.model.train()
         sums = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            logprobs, _ = self._forward(mb, temperature=1.0)
-            mask = mb["loss_mask"].to(self.device)
+            mb, logprobs, _ = self._forward(mb, temperature=1.0)
+            mask = mb["loss_mask"]
             value = algorithms.sft_loss(logprobs, mask, max(num_loss_tokens, 1))
-            (value * self.dp_size).backward()
+            aux_stats: dict[str, torch.Tensor] = {}
+            value = self._with_aux(value, mask, num_loss_tokens, aux_stats)
+            value.backward()
+            if "aux_loss_sum" in aux_stats:
+                sums[_STAT_KEYS.index("aux_loss_sum")] += aux_stats["aux_loss_sum"].to(sums)
             sums[_STAT_KEYS.index("nll_sum")] += -torch.where(mask, logprobs.detach(), 0.0).sum().double()
             sums[_STAT_KEYS.index("loss_tokens")] += mask.sum()
             sums[_STAT_KEYS.index("tokens")] += mb["input_ids"].numel()
@@ -106,20 +140,47 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "train_tokens": out["tokens"],
             "train_time_s": time.perf_counter() - start,
+            **self._moe_stats(out),
         }
+
+    def _with_aux(self, value: torch.Tensor, mask: torch.Tensor, num_loss_tokens: int,
+                  stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Add the MoE aux loss of the last forward to `value` (when configured); record it in `stats`.
+
+        The aux loss is weighted by this row's share of the step's loss tokens, so the step's
+        total is a token-weighted mean over rows and ranks.
+        """
+        aux = moe_aux_loss(self.model)
+        if aux is None:
+            return value
+        aux = aux * (mask.sum() / max(num_loss_tokens, 1))
+        stats["aux_loss_sum"] = aux.detach().float()
+        return value + self.moe_aux_loss_coef * aux if self.moe_aux_loss_coef > 0 else value
+
+    def _moe_stats(self, out: dict[str, float]) -> dict[str, float]:
+        """Load-balance statistics of the step's forwards (empty for dense models), averaged over ranks."""
+        local = pop_moe_stats(self.model)
+        if not local:
+            return {}
+        keys = sorted(local)
+        values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(values, group=self.group)
+            values /= dist.get_world_size(self.group)
+        stats = dict(zip(keys, values.tolist()))
+        stats["moe/aux_loss"] = out["aux_loss_sum"]  # token-weighted over the step's rows
+        return stats
 
     def _optimizer_step(self, skip: bool) -> float:
         """Clip, step, advance the schedule and the version. Returns the global grad norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm) if params else torch.tensor(0.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        shard_group = None if self.meshes is None else self.meshes.shard_group
+        norm = clip_grad_norm_(self.model, self.cfg.max_grad_norm, shard_group)
         if not skip:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
-        return float(norm)
+        return norm
 
     def _reduce(self, sums: torch.Tensor) -> dict[str, float]:
         if self.group is not None and dist.get_world_size(self.group) > 1:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrl.parallel import full_tensors
+from meshrl.parallel.parallelize import full_shape
 
 
 def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket_mb: float) -> list[list[int]]:
@@ -41,8 +42,8 @@ def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket
 
 
 def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    # DTensor.shape is the global shape, so the trainer's sharded model gives the same plan
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    # full shapes, so the trainer's sharded (FSDP / expert-parallel) model gives the same plan
+    return [(name, full_shape(model, name, p)) for name, p in model.named_parameters()]
 
 
 @torch.no_grad()

@@ -161,6 +161,8 @@ class MoE(nn.Module):
         # f_e sums to top_k over experts, as in transformers (counts / tokens, not / assignments).
         f = counts.float() / max(num_tokens, 1)
         self.aux_loss = self.num_experts * (f * probs.mean(dim=0)).sum() if num_tokens else probs.sum() * 0
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return  # recomputed inside backward (activation checkpointing): already counted
         with torch.no_grad():
             row = torch.cat([counts.double(), self.aux_loss.detach().double().view(1), counts.new_ones(1).double()])
             self._stats = row if self._stats is None else self._stats + row

@@ -58,8 +58,8 @@ def _job(rank, world_size, out):
                            r, lay.down[r])
     elif lay.role == "trainer":
         model = make_model(seed=0)
-        parallelize(model, lay.trainer_mesh, torch.float32)
-        trainer = Trainer(model, OPTIM, torch.device("cpu"), lay.trainer_group, dp_size=2)
+        parallelize(model, lay.trainer_meshes, torch.float32)
+        trainer = Trainer(model, OPTIM, torch.device("cpu"), lay.trainer_group, lay.trainer_meshes)
         group = lay.sync_group if lay.is_trainer_leader else None
         weight_sync.send_weights(model, group, roles.trainers[0], torch.float32, BUCKET_MB, torch.device("cpu"))
         msg = transport.recv(roles.controller, lay.down[rank])
@@ -79,7 +79,7 @@ def _job(rank, world_size, out):
 
 def reference_step():
     model = make_model(seed=0)
-    trainer = Trainer(model, OPTIM, torch.device("cpu"), group=None, dp_size=1)
+    trainer = Trainer(model, OPTIM, torch.device("cpu"), group=None)
     batches = pack(make_samples(), SEQ_LEN, 1)
     stats = trainer.rl_step(batches[0], count_loss_tokens(batches), LOSS, temperature=0.7)
     return {k: v.detach().clone() for k, v in model.named_parameters()}, stats

@@ -67,7 +67,7 @@ def test_python_objects_equal_file_configs(tmp_path):
     (["--inference.sampling.max-tokens", "600"], "max_tokens (600) must be smaller than inference.max_model_len"),
     (["--model.path", "x"], "set exactly one of model.path"),
     (["--env.name", "nope"], "env"),
-    (["--trainer.parallel.dp-shard", "3"], "trainer.parallel.dp_shard (3)"),
+    (["--trainer.parallel.dp-shard", "3"], "trainer.parallel: dp_replicate (1) x dp_shard (3) x cp (1) = 3"),
 ])
 def test_bad_values_name_the_field(tmp_path, args, expected):
     a = write(tmp_path, "a.toml", BASE)

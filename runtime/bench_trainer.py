@@ -1,0 +1,215 @@
+"""`meshrl bench trainer`: training throughput and MFU of one model shape under a parallel layout.
+
+    meshrl bench trainer --flavor 0.6B --seq-len 16384 --steps 10 [--nproc 2 --dp-shard 2 --cp 1 --ep 1]
+                         [--ac none|full|selective] [--compile] [--attention auto|sdpa|flex|varlen]
+
+Random weights (built on the meta device, sharded, then initialised shard by shard, so no rank
+ever holds the full model) and random tokens. Every step each data rank trains
+`--rows` packed rows of `--seq-len` tokens, each row holding `--docs` documents of equal
+length, through the real `Trainer.sft_step` (chunked logprob head, document-masked attention,
+FSDP2, AdamW). With `--nproc N > 1` the command re-runs itself under torchrun.
+
+Prints one JSON line: tokens_per_s (all ranks), mfu, peak_memory_gib (max over ranks),
+step_s (median of the measured steps), and the settings.
+
+FLOPs per step (model FLOPs: recomputation by activation checkpointing is not counted):
+
+    6 * N_active * tokens  +  12 * n_layers * n_heads * head_dim * pairs
+
+- N_active: parameters used by matmuls per token: every Linear weight, the LM head (V x dim,
+  counted even when tied to the embedding, whose lookup is not a matmul), and for MoE layers
+  the router plus top_k / num_experts of the expert weights. 6 = 2 (multiply-add) x 3
+  (forward + backward w.r.t. activations and weights).
+- pairs: (query, key) pairs attention computes, causal within each document:
+  sum over documents of L * (L + 1) / 2. QK^T and PV cost 2 * head_dim FLOPs each per pair and
+  head in the forward, x3 for training.
+
+MFU = FLOPs / step_s / (world size x peak), peak = 989 TFLOP/s dense bf16 for H100/H200
+(`--peak-tflops` for other devices; on CPU mfu is null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MODULE = "meshrl.runtime.bench_trainer"
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="meshrl bench trainer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="qwen3", help="model family (a key of meshrl.models.MODEL_FAMILIES)")
+    p.add_argument("--flavor", default="0.6B", help="flavor of the family")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per packed row")
+    p.add_argument("--docs", type=int, default=1, help="documents per row (equal lengths)")
+    p.add_argument("--rows", type=int, default=1, help="packed rows per data rank per step")
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs); > 1 runs under torchrun")
+    p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--dp-shard", type=int, default=-1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
+    p.add_argument("--ac-every", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn"])
+    p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per chunk of the logprob head")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default by name)")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the flavor's vocabulary")
+    return p.parse_args(argv)
+
+
+def active_matmul_params(model: nn.Module) -> int:
+    """N_active of the FLOP formula (module docstring)."""
+    from meshrl.models.common.moe import expert_param_fraction
+
+    total = 0
+    for module in model.modules():
+        fraction = expert_param_fraction(module)
+        if fraction is not None:  # grouped experts: only top_k of num_experts run per token
+            total += int(sum(p.numel() for p in module.parameters(recurse=False)) * fraction)
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel()
+    if getattr(model, "output", None) is None:  # tied head: the embedding matrix is the LM head
+        total += model.output_weight.numel()
+    return total
+
+
+def attention_pairs(seq_len: int, docs: int) -> int:
+    lengths = [seq_len // docs + (1 if i < seq_len % docs else 0) for i in range(docs)]
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def step_flops(args, n_active: int, tokens: int, pairs: int) -> float:
+    return 6.0 * n_active * tokens + 12.0 * args.n_layers * args.n_heads * args.head_dim * pairs
+
+
+def peak_flops(opts: argparse.Namespace, device: torch.device) -> float | None:
+    if opts.peak_tflops is not None:
+        return opts.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def make_rows(opts, vocab_size: int, num_rows: int, seed: int):
+    """`num_rows` packed rows of random tokens, `opts.docs` equal documents each, all tokens trained."""
+    from tensordict import TensorDict
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    lengths = [opts.seq_len // opts.docs + (1 if i < opts.seq_len % opts.docs else 0) for i in range(opts.docs)]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    for _ in range(num_rows):
+        ids = torch.randint(3, vocab_size, (1, opts.seq_len), generator=gen)
+        rows.append(TensorDict({
+            "input_ids": ids, "position_ids": positions, "doc_ids": doc_ids,
+            "targets": torch.roll(ids, -1, dims=1), "loss_mask": torch.ones(1, opts.seq_len, dtype=torch.bool),
+        }, batch_size=[1, opts.seq_len]))
+    return rows
+
+
+def run_rank(opts: argparse.Namespace) -> dict | None:
+    """The benchmark on this rank; returns the result on rank 0."""
+    from meshrl.models import get_family
+    from meshrl.parallel import parallelize
+    from meshrl.parallel.dims import ParallelDims, build_meshes
+    from meshrl.runtime.config import OptimConfig
+    from meshrl.runtime.layout import pick_device
+    from meshrl.runtime.trainer import Trainer
+
+    cuda = torch.cuda.is_available() if opts.device == "auto" else opts.device == "cuda"
+    device = pick_device(cuda)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.resolve(world, opts.dp_replicate, opts.dp_shard, opts.cp, opts.ep)
+    meshes = build_meshes(dims, list(range(world)), rank, device.type)
+
+    family = get_family(opts.family)
+    if opts.flavor not in family.flavors:
+        raise ValueError(f"unknown flavor {opts.flavor!r} of {opts.family}; known: {sorted(family.flavors)}")
+    args = family.flavors[opts.flavor]
+    if opts.vocab_size is not None:
+        import dataclasses
+
+        args = dataclasses.replace(args, vocab_size=opts.vocab_size)
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    n_active = active_matmul_params(model)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()  # each rank initialises its own shards; random weights are all we need
+    trainer = Trainer(model, OptimConfig(lr=1e-5), device, dist.group.WORLD, meshes, opts.attention,
+                      opts.chunk_tokens)
+    rows = make_rows(opts, args.vocab_size, opts.rows, seed=meshes.data_rank)
+
+    times = []
+    for step in range(opts.warmup + opts.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.sft_step(rows, num_loss_tokens=opts.rows * opts.seq_len * dims.num_data_ranks)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= opts.warmup:
+            times.append(time.perf_counter() - start)
+        if cuda and step == 0:
+            torch.cuda.reset_peak_memory_stats(device)
+    peak_gib = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0])
+    dist.all_reduce(peak_gib, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(times)
+    tokens = opts.rows * opts.seq_len * dims.num_data_ranks
+    flops = step_flops(args, n_active, tokens, opts.rows * dims.num_data_ranks * attention_pairs(opts.seq_len, opts.docs))
+    peak = peak_flops(opts, device)
+    result = {
+        "bench": "trainer", "family": opts.family, "flavor": opts.flavor, "world_size": world,
+        "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep,
+        "seq_len": opts.seq_len, "docs": opts.docs, "rows": opts.rows, "ac": opts.ac, "compile": opts.compile,
+        "attention": trainer.attention, "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "active_params": n_active, "tokens_per_step": tokens,
+        "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
+        "tflops_per_device": round(flops / step_s / world / 1e12, 2),
+        "mfu": round(flops / step_s / (world * peak), 4) if peak else None,
+        "peak_memory_gib": round(float(peak_gib), 2) if cuda else None,
+    }
+    dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def main(argv: list[str]) -> None:
+    opts = parse(argv)
+    if opts.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
+               "-m", MODULE, *argv]
+        sys.exit(subprocess.call(cmd))
+    if "LOCAL_RANK" not in os.environ:  # one process: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    result = run_rank(opts)
+    if result is not None:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

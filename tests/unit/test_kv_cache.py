@@ -1,0 +1,176 @@
+"""Paged KV cache: block reference counts, the prefix cache (chained hashes, LRU eviction,
+clearing), copy-on-write, and paged attention against plain causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshrl.runtime.kv_cache import (
+    BlockManager,
+    KVCache,
+    PagedAttention,
+    block_hashes,
+    grouped_sdpa,
+    paged_attention_reference,
+    paged_decode_attention,
+)
+
+
+def test_allocate_free_and_refcounts():
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    a, b, c = blocks.allocate(), blocks.allocate(), blocks.allocate()
+    assert {a, b, c} == {1, 2, 3} and blocks.num_free == 0  # block 0 is never handed out
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        blocks.allocate()
+    blocks.incref(a)
+    blocks.decref(a)
+    assert blocks.num_free == 0
+    blocks.release([a, b])
+    assert blocks.num_free == 2
+    blocks.check()
+    with pytest.raises(AssertionError, match="freed twice"):
+        blocks.decref(a)
+
+
+def test_prefix_match_is_chained_and_checks_content():
+    bs = 2
+    blocks = BlockManager(num_blocks=8, block_size=bs)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = block_hashes(tokens, bs, 3)
+    table = [blocks.allocate() for _ in range(3)]
+    for i, block in enumerate(table):
+        blocks.register(block, hashes[i], hashes[i - 1] if i else 0, tuple(tokens[i * bs:(i + 1) * bs]))
+
+    same = [1, 2, 3, 4, 9, 9]
+    assert blocks.match(block_hashes(same, bs, 3), same) == table[:2]  # the third block differs
+    # The same block content after another prefix is another key: no match.
+    shifted = [7, 7, 3, 4]
+    assert blocks.match(block_hashes(shifted, bs, 2), shifted) == []
+    # A forged hash pointing at a cached block with other content is refused.
+    assert blocks.match([hashes[0]], [1, 9]) == []
+    assert blocks.ref[table[0]] == 2 and blocks.hits == 2
+    blocks.check()
+
+
+def test_cached_blocks_survive_their_sequence_and_are_evicted_lru():
+    bs = 1
+    blocks = BlockManager(num_blocks=4, block_size=bs)
+    seqs = [[10], [20], [30]]
+    for tokens in seqs:
+        block = blocks.allocate()
+        blocks.register(block, block_hashes(tokens, bs, 1)[0], 0, tuple(tokens))
+        blocks.release([block])  # the sequence ends; the block stays cached
+    assert blocks.num_free == 3 and len(blocks.cached) == 3
+    # A hit takes the block out of the evictable set; a new allocation evicts the oldest other one.
+    assert blocks.match(block_hashes([20], bs, 1), [20]) != []
+    blocks.allocate()
+    assert blocks.match(block_hashes([10], bs, 1), [10]) == []  # [10] was freed first: evicted
+    assert blocks.match(block_hashes([30], bs, 1), [30]) != []
+    blocks.check()
+
+
+def test_clear_prefix_cache_keeps_blocks_in_use():
+    bs = 1
+    blocks = BlockManager(num_blocks=4, block_size=bs)
+    used, idle = blocks.allocate(), blocks.allocate()
+    blocks.register(used, 11, 0, (1,))
+    blocks.register(idle, 22, 0, (2,))
+    blocks.release([idle])
+    blocks.clear_prefix_cache()
+    assert not blocks.cached and blocks.ref[used] == 1 and blocks.num_free == 2
+    assert blocks.match([11], [1]) == []
+    blocks.check()
+
+
+def test_copy_on_write_only_when_shared():
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    block = blocks.allocate()
+    mine = [block]
+    assert blocks.writable(mine, 0) is None and mine == [block]  # sole owner writes in place
+    blocks.incref(block)
+    theirs = [block]
+    assert blocks.writable(mine, 0) == block  # copy from `block` into the new mine[0]
+    assert mine[0] != block and blocks.ref[block] == 1 and blocks.ref[mine[0]] == 1
+    assert blocks.writable(theirs, 0) is None
+    blocks.check()
+
+    cache = KVCache([0, 1], num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3, dtype=torch.float32, device="cpu")
+    cache.data[:, :, block] = torch.randn(2, 2, 2, 1, 3)
+    cache.copy_blocks([block], [mine[0]])
+    assert torch.equal(cache.data[:, :, mine[0]], cache.data[:, :, block])
+
+
+def scatter_into_blocks(k: torch.Tensor, block_size: int, num_blocks: int, seed: int):
+    """k (B, Hkv, L, D) -> (cache (num_blocks, bs, Hkv, D), tables (B, nb)) with shuffled block ids."""
+    B, H, L, D = k.shape
+    nb = -(-L // block_size)
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))[: B * nb] + 1
+    tables = order.view(B, nb)
+    cache = torch.randn(num_blocks, block_size, H, D)  # garbage everywhere else
+    padded = F.pad(k, (0, 0, 0, nb * block_size - L)).transpose(1, 2)  # (B, nb*bs, H, D)
+    cache[tables.reshape(-1)] = padded.reshape(B * nb, block_size, H, D)
+    return cache, tables
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 2), (3, 3), (6, 1)])
+def test_paged_attention_equals_causal_attention(num_q_heads, num_kv_heads):
+    torch.manual_seed(0)
+    B, L, D, bs, T = 3, 11, 8, 4, 5  # the last T positions are the new tokens
+    q = torch.randn(B, num_q_heads, L, D)
+    k, v = torch.randn(B, num_kv_heads, L, D), torch.randn(B, num_kv_heads, L, D)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=num_q_heads != num_kv_heads)
+    k_cache, tables = scatter_into_blocks(k, bs, 20, seed=1)
+    v_cache, v_tables = scatter_into_blocks(v, bs, 20, seed=1)
+    assert torch.equal(v_tables, tables)
+    positions = torch.arange(L - T, L).expand(B, T)
+    out = paged_attention_reference(q[:, :, -T:], k_cache, v_cache, tables, positions)
+    assert torch.allclose(out, ref[:, :, -T:], atol=1e-5)
+
+
+def test_grouped_sdpa_equals_repeated_kv():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 6, 3, 4), torch.randn(2, 2, 7, 4), torch.randn(2, 2, 7, 4)
+    mask = torch.rand(2, 1, 3, 7) > 0.3
+    mask[..., 0] = True
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+    assert torch.allclose(grouped_sdpa(q, k, v, mask), ref, atol=1e-6)
+
+
+def test_paged_attention_context_writes_slots_then_attends():
+    """A prefill of 6 tokens then one decode token through the context equal full causal attention."""
+    torch.manual_seed(2)
+    bs, D = 4, 8
+    cache = KVCache([0], num_blocks=6, block_size=bs, num_kv_heads=2, head_dim=D, dtype=torch.float32, device="cpu")
+    table = [5, 2]
+    q, k, v = torch.randn(1, 4, 7, D), torch.randn(1, 2, 7, D), torch.randn(1, 2, 7, D)
+    slots = torch.tensor([[table[p // bs] * bs + p % bs for p in range(7)]])
+    tables = torch.tensor([table], dtype=torch.int32)
+    positions = torch.arange(7)[None]
+    prefill = PagedAttention(cache, slots[:, :6], positions[:, :6], tables, fresh=True)
+    out6 = prefill.attend(0, q[:, :, :6], k[:, :, :6], v[:, :, :6])
+    decode = PagedAttention(cache, slots[:, 6:], positions[:, 6:], tables, torch.tensor([7], dtype=torch.int32))
+    out1 = decode.attend(0, q[:, :, 6:], k[:, :, 6:], v[:, :, 6:])
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(torch.cat([out6, out1], dim=2), ref, atol=1e-5)
+    k_cache, _ = cache.layer(0)
+    assert torch.equal(k_cache[2, 2], k[0, :, 6])  # position 6 -> block table[1] = 2, offset 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 8), (6, 2), (4, 4)])
+def test_triton_decode_kernel_equals_reference(dtype, num_q_heads, num_kv_heads):
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    B, D, bs, num_blocks = 5, 64, 16, 40
+    k = torch.randn(num_blocks, bs, num_kv_heads, D, device="cuda", dtype=dtype)
+    v = torch.randn(num_blocks, bs, num_kv_heads, D, device="cuda", dtype=dtype)
+    tables = torch.randint(1, num_blocks, (B, 7), device="cuda", dtype=torch.int32)
+    context_lens = torch.tensor([1, 16, 17, 100, 112], device="cuda", dtype=torch.int32)
+    q = torch.randn(B, num_q_heads, 1, D, device="cuda", dtype=dtype)
+    out = paged_decode_attention(q, k, v, tables, context_lens)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), tables.long(), (context_lens - 1).long()[:, None])
+    assert (out.float() - ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)

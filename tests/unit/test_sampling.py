@@ -1,0 +1,89 @@
+"""Batched sampler: parameter validation, truncation (top_k, min_p, top_p), full-distribution fp32
+logprobs, the counter-based RNG, batch independence and the sampled distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.runtime.sampling import SamplingBatch, SamplingParams, hash_uniform, sample, truncate
+
+
+def batch_of(*params: SamplingParams, seeds: list[int] | None = None) -> SamplingBatch:
+    return SamplingBatch.build(list(params), seeds or list(range(len(params))), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.5), dict(max_tokens=0),
+    dict(stop_token_ids=(-1,)), dict(stop=("",)), dict(n=0), dict(seed=-1),
+])
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_store_tuples():
+    p = SamplingParams(stop_token_ids=[3, 4], stop="END")
+    assert p.stop_token_ids == (3, 4) and p.stop == ("END",)
+    hash(p)
+
+
+def test_truncate_top_k_min_p_top_p():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]] * 4)
+    scaled = probs.log()
+    params = [SamplingParams(top_k=2), SamplingParams(min_p=0.6), SamplingParams(top_p=0.65), SamplingParams()]
+    out = truncate(probs, scaled, batch_of(*params))
+    expected = torch.tensor([
+        [0.0, 0.4, 0.0, 0.3],  # the 2 largest
+        [0.0, 0.4, 0.0, 0.3],  # >= 0.6 * 0.4 = 0.24
+        [0.0, 0.4, 0.0, 0.3],  # mass above 0.3 is 0.4 < 0.65, above 0.2 is 0.7: dropped
+        [0.1, 0.4, 0.2, 0.3],
+    ])
+    assert torch.equal(out, expected)
+    # top_p acts on what top_k left: of {0.4, 0.3} (mass 0.7), 0.4 alone is 57% < 60%: keep both.
+    both = truncate(probs[:1], scaled[:1], batch_of(SamplingParams(top_k=2, top_p=0.6)))
+    assert torch.equal(both, expected[:1])
+
+
+def test_greedy_and_tiny_top_p_pick_argmax_and_report_full_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.5, 0.0, 4.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_p=0.01),
+              SamplingParams(temperature=0.5, top_k=1)]
+    tokens, logprobs = sample(logits, batch_of(*params), torch.zeros(3, dtype=torch.long))
+    assert tokens.tolist() == [1, 0, 2]
+    expected = torch.stack([torch.log_softmax(logits[0], -1)[1], torch.log_softmax(logits[1] / 2.0, -1)[0],
+                            torch.log_softmax(logits[2] / 0.5, -1)[2]])
+    assert torch.allclose(logprobs, expected) and logprobs.dtype == torch.float32
+
+
+def test_hash_uniform_is_deterministic_and_spread():
+    seeds = torch.arange(20000) * 7919 + 2**40
+    counters = torch.arange(20000) % 13
+    u = hash_uniform(seeds, counters)
+    assert torch.equal(u, hash_uniform(seeds, counters))
+    assert u.min() >= 0 and u.max() < 1 and u.dtype == torch.float64
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    assert len(set(u.tolist())) == len(u)
+    assert hash_uniform(torch.tensor([5]), torch.tensor([0])) != hash_uniform(torch.tensor([5]), torch.tensor([1]))
+
+
+def test_row_draw_does_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=1.0, top_k=10 * (i % 3), top_p=0.9 if i % 2 else 1.0) for i in range(6)]
+    counters = torch.arange(6)
+    tokens, logprobs = sample(logits, batch_of(*params, seeds=[11 * i for i in range(6)]), counters)
+    for i in range(6):
+        alone, lp = sample(logits[i:i + 1], batch_of(params[i], seeds=[11 * i]), counters[i:i + 1])
+        assert alone.item() == tokens[i].item() and lp.item() == pytest.approx(logprobs[i].item())
+
+
+def test_sampled_frequencies_follow_the_truncated_distribution():
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
+    num = 20000
+    batch = SamplingBatch.build([SamplingParams(temperature=1.0, min_p=0.2)] * num, [3] * num, torch.device("cpu"))
+    tokens, _ = sample(logits.expand(num, 4), batch, torch.arange(num))
+    freq = torch.bincount(tokens, minlength=4).double() / num
+    target = torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95  # 0.05 < 0.2 * 0.5 is dropped
+    assert freq[0] == 0
+    assert (freq - target).abs().max() < 0.015
