@@ -129,10 +129,11 @@ def test_paged_attention_equals_causal_attention(num_q_heads, num_kv_heads):
     assert torch.allclose(out, ref[:, :, -T:], atol=1e-5)
 
 
-def test_grouped_sdpa_equals_repeated_kv():
+@pytest.mark.parametrize("T", [1, 3], ids=["matmul-path", "sdpa-path"])
+def test_grouped_sdpa_equals_repeated_kv(T):
     torch.manual_seed(1)
-    q, k, v = torch.randn(2, 6, 3, 4), torch.randn(2, 2, 7, 4), torch.randn(2, 2, 7, 4)
-    mask = torch.rand(2, 1, 3, 7) > 0.3
+    q, k, v = torch.randn(2, 6, T, 4), torch.randn(2, 2, 7, 4), torch.randn(2, 2, 7, 4)
+    mask = torch.rand(2, 1, T, 7) > 0.3
     mask[..., 0] = True
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
     assert torch.allclose(grouped_sdpa(q, k, v, mask), ref, atol=1e-6)
