@@ -80,7 +80,19 @@ def parallelize(model: nn.Module, meshes: TrainerMeshes | DeviceMesh, compute_dt
 
 def _selective_policy():
     """Save the outputs of matmuls and attention kernels; recompute everything else."""
+    from torch.utils import checkpoint as ac
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    # Profiler range markers are bookkeeping, not computation, and collectives (expert-parallel
+    # all-to-all) emit a different number of them in forward and in recomputation, which the
+    # op-by-op matching of selective checkpointing would reject.
+    ignored = getattr(ac, "SAC_IGNORED_OPS", None)
+    if isinstance(ignored, set):
+        for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+            packet = getattr(torch.ops.profiler, name, None)
+            for overload in (getattr(packet, "default", None), getattr(packet, "_RecordFunction", None)):
+                if overload is not None:
+                    ignored.add(overload)
 
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

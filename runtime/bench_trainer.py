@@ -72,14 +72,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def active_matmul_params(model: nn.Module) -> int:
-    """N_active of the FLOP formula (module docstring)."""
-    from meshrl.models.common.moe import expert_param_fraction
+    """N_active of the FLOP formula (module docstring). Call before parallelize (full shapes)."""
+    from meshrl.models.common.moe import moe_layers
 
+    expert_fraction = {id(m.experts): m.top_k / m.num_experts for m in moe_layers(model)}
     total = 0
     for module in model.modules():
-        fraction = expert_param_fraction(module)
-        if fraction is not None:  # grouped experts: only top_k of num_experts run per token
-            total += int(sum(p.numel() for p in module.parameters(recurse=False)) * fraction)
+        if id(module) in expert_fraction:  # grouped experts: only top_k of num_experts run per token
+            total += int(sum(p.numel() for p in module.parameters(recurse=False)) * expert_fraction[id(module)])
         elif isinstance(module, nn.Linear):
             total += module.weight.numel()
     if getattr(model, "output", None) is None:  # tied head: the embedding matrix is the LM head
@@ -200,8 +200,11 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
 def main(argv: list[str]) -> None:
     opts = parse(argv)
     if opts.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # the ranks get every option but --nproc (which torchrun would take for its own --nproc-per-node)
+        rank_argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
+                     and not a.startswith("--nproc=")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
-               "-m", MODULE, *argv]
+               "-m", MODULE, *rank_argv]
         sys.exit(subprocess.call(cmd))
     if "LOCAL_RANK" not in os.environ:  # one process: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

@@ -67,20 +67,22 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     B, T, dim = hidden.shape
-    logprobs, entropy = _ChunkedLogprobs.apply(hidden.reshape(B * T, dim), weight, targets.reshape(B * T),
-                                               float(temperature), int(chunk_tokens))
-    return logprobs.view(B, T), entropy.view(B, T)
+    # The outputs are made (B, T) inside the Function, not viewed after it: FSDP2 warns about
+    # (and cannot hook in-place ops on) a root module output that is a view.
+    return _ChunkedLogprobs.apply(hidden.reshape(B * T, dim), weight, targets.reshape(B * T),
+                                  float(temperature), int(chunk_tokens), (B, T))
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """(N, dim), (V, dim), (N,) -> logprobs (N,), entropy (N,); saves no logits for backward."""
+    """(N, dim), (V, dim), (N,) -> logprobs, entropy of `shape` (N elements); saves no logits for backward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                chunk_tokens: int) -> tuple[Tensor, Tensor]:
+                chunk_tokens: int, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         N = hidden.shape[0]
-        logprobs = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        logprobs_out = torch.empty(shape, dtype=torch.float32, device=hidden.device)
+        entropy_out = torch.empty(shape, dtype=torch.float32, device=hidden.device)
+        logprobs, entropy = logprobs_out.view(N), entropy_out.view(N)
         lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
         for start in range(0, N, chunk_tokens):
             end = min(start + chunk_tokens, N)
@@ -97,12 +99,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_tokens = chunk_tokens
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        ctx.mark_non_differentiable(entropy_out)
+        return logprobs_out, entropy_out
 
     @staticmethod
     def backward(ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
+        grad_logprobs = grad_logprobs.reshape(-1)  # (N,)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         temperature, chunk_tokens = ctx.temperature, ctx.chunk_tokens
         N = hidden.shape[0]
@@ -128,7 +131,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_weight.add_(dlogits.T @ h)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 class LogprobHead:

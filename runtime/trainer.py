@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from meshrl.models.common.attention import make_document_attention
-from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats
+from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.parallel.dims import TrainerMeshes
 from meshrl.parallel.parallelize import clip_grad_norm_
 from meshrl.runtime import algorithms
@@ -77,6 +77,7 @@ class Trainer:
             attn = make_document_attention(mb["doc_ids"], self.attention)
         head = LogprobHead(mb["targets"], temperature, self.logprob_chunk_tokens)
         logprobs, entropy = self.model(mb["input_ids"], mb["position_ids"], attn, head=head)
+        record_moe_stats(self.model)  # before backward, which may recompute (checkpointed) blocks
         return mb, logprobs, entropy
 
     def rl_step(self, micro_batches: list[TensorDict], num_loss_tokens: int, loss: LossConfig,

@@ -128,6 +128,7 @@ class MoE(nn.Module):
         # (E + 2,) fp64 since the last pop: assignments per expert, sum of aux losses, forwards.
         # One tensor, updated on device: no host sync and no Python counters for torch.compile.
         self._stats: Tensor | None = None
+        self._pending: tuple[Tensor, Tensor] | None = None  # the last forward's (counts, aux loss)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, dim) -> top_w (N, k) in x's dtype, top_i (N, k) int64, probs (N, E) fp32."""
@@ -160,11 +161,22 @@ class MoE(nn.Module):
         num_tokens = probs.shape[0]
         # f_e sums to top_k over experts, as in transformers (counts / tokens, not / assignments).
         f = counts.float() / max(num_tokens, 1)
-        self.aux_loss = self.num_experts * (f * probs.mean(dim=0)).sum() if num_tokens else probs.sum() * 0
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return  # recomputed inside backward (activation checkpointing): already counted
+        aux_loss = self.num_experts * (f * probs.mean(dim=0)).sum() if num_tokens else probs.sum() * 0
+        # Only plain Python bookkeeping from here: a block recomputed by activation checkpointing
+        # must run exactly the same tensor ops as its forward (selective checkpointing matches
+        # them one by one), and its recomputation must not count the tokens a second time.
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+            self.aux_loss = aux_loss
+            self._pending = (counts, aux_loss)
+
+    def _accumulate(self) -> None:
+        """Fold the last forward's counts into the running statistics (outside any checkpointed region)."""
+        if self._pending is None:
+            return
+        counts, aux_loss = self._pending
+        self._pending = None
         with torch.no_grad():
-            row = torch.cat([counts.double(), self.aux_loss.detach().double().view(1), counts.new_ones(1).double()])
+            row = torch.cat([counts.double(), aux_loss.detach().double().view(1), counts.new_ones(1).double()])
             self._stats = row if self._stats is None else self._stats + row
 
     @torch.no_grad()
@@ -198,6 +210,13 @@ def moe_aux_loss(model: nn.Module) -> Tensor | None:
     return torch.stack(losses).sum()
 
 
+def record_moe_stats(model: nn.Module) -> None:
+    """Add the last forward's load statistics to the running ones; call after every forward
+    (the trainer does, per micro-batch). `pop_moe_stats` records a pending forward itself."""
+    for m in moe_layers(model):
+        m._accumulate()
+
+
 def pop_moe_stats(model: nn.Module) -> dict[str, float]:
     """Load-balancing statistics since the last call, then reset them. {} for a dense model.
 
@@ -205,6 +224,7 @@ def pop_moe_stats(model: nn.Module) -> dict[str, float]:
     - "moe/load_max", "moe/load_min": per layer, the max (min) over experts of the expert's share
       of top-k assignments times E (1.0 = perfectly balanced); averaged over layers.
     """
+    record_moe_stats(model)
     layers = [m for m in moe_layers(model) if m._stats is not None]
     if not layers:
         return {}

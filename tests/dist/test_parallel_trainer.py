@@ -74,8 +74,9 @@ def reference_step(family: str):
     (4, "qwen3", dict(dp_shard=2, cp=2), "selective", 1),
     (2, "qwen3", dict(dp_shard=2), "full", 2),
     (2, "qwen3_moe", dict(dp_shard=2, ep=2), "full", 1),
-    (4, "qwen3_moe", dict(dp_replicate=2, dp_shard=2, ep=2), "none", 1),
-], ids=["hsdp-2x2", "fsdp2-cp2-selective-ac", "fsdp2-full-ac-every-2", "moe-fsdp2-ep2-full-ac", "moe-hsdp-2x2-ep2"])
+    (4, "qwen3_moe", dict(dp_replicate=2, dp_shard=2, ep=2), "selective", 1),
+], ids=["hsdp-2x2", "fsdp2-cp2-selective-ac", "fsdp2-full-ac-every-2", "moe-fsdp2-ep2-full-ac",
+        "moe-hsdp-2x2-ep2-selective-ac"])
 def test_parallel_step_equals_single_process(tmp_path, world_size, family, degrees, ac, ac_every):
     run_ranks(_job, world_size, family, degrees, ac, ac_every, tmp_path)
     got = torch.load(tmp_path / "trainer.pt")

@@ -11,7 +11,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
 
 from meshrl.models import get_family
-from meshrl.models.common.moe import MoE, moe_aux_loss, pop_moe_stats
+from meshrl.models.common.moe import MoE, moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.models.hf import load_hf_model, save_hf_model
 from meshrl.models.qwen3 import FLAVORS as QWEN3_FLAVORS, Qwen3
 from meshrl.models.qwen3_moe import FLAVORS, Qwen3Moe, Qwen3MoeArgs, Qwen3MoeStateDictAdapter
@@ -147,6 +147,7 @@ def test_moe_stats_and_dense_models():
             hooks = [model.layers[i].moe.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0]))
                      for i in counts]
             model(tokens, positions(2, 9))
+            record_moe_stats(model)  # the trainer does this after every forward
             for h in hooks:
                 h.remove()
             for i in counts:
