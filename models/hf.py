@@ -87,15 +87,61 @@ def load_hf_model(
     Every parameter ends up on `device` in `dtype` (checkpoint tensors are cast on copy).
     Missing, unexpected or mis-shaped weights raise ValueError naming the key.
     """
-    folder = Path(path)
-    config = read_hf_config(folder)
+    model, args, adapter = build_hf_skeleton(path, impl, dtype)
+    model = model.to_empty(device=device)
+    load_hf_weights(model, path, adapter)
+    return model, args
+
+
+def build_hf_skeleton(path: str | os.PathLike, impl: Impl = "auto", dtype: torch.dtype = torch.float32):
+    """The model an HF folder describes, on the meta device: (model, args, state-dict adapter).
+
+    Parallelize it while on meta (FSDP2, expert parallel), materialise with `to_empty`, then
+    fill it with `load_hf_weights`: no rank ever holds more than one full tensor at a time.
+    """
+    config = read_hf_config(path)
     family = family_for(config.get("model_type"), impl)
     args = family.args_cls.from_hf_config(config)
-    adapter = family.state_dict_adapter(args)
     with torch.device("meta"):
         model = family.model_cls(args)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    return model.to(dtype=dtype), args, family.state_dict_adapter(args)
 
+
+def _local_part(model: nn.Module, key: str, target: Tensor, tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """(destination, source) for one checkpoint tensor: this rank's piece of a sharded parameter.
+
+    Handles expert-parallel shards (plain tensors holding experts [r*E/ep, (r+1)*E/ep) of the
+    module's `num_global_experts`) and DTensors (FSDP2 / HSDP shards, via their placements).
+    """
+    module = model.get_submodule(key.rpartition(".")[0]) if "." in key else model
+    group = getattr(module, "ep_group", None)
+    if group is not None:
+        local = tensor.shape[0] // torch.distributed.get_world_size(group)
+        start = torch.distributed.get_rank(group) * local
+        tensor = tensor[start:start + local]
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(target, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            if tuple(tensor.shape) != tuple(target.shape):
+                return target, tensor  # the caller reports the shape mismatch
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                  target.placements)
+            index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            return target.to_local(), tensor[index]
+    return target, tensor
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any) -> None:
+    """Copy an HF folder's weights into `model` (plain, FSDP2-sharded or expert-parallel), one
+    tensor at a time; each rank copies only its own shard. Checkpoint tensors are cast on copy.
+
+    Missing, unexpected or mis-shaped weights raise ValueError naming the key.
+    """
+    folder = Path(path)
     # state_dict() tensors share storage with the parameters: copying into them loads the model.
     targets = model.state_dict()
     loaded: set[str] = set()
@@ -105,15 +151,15 @@ def load_hf_model(
                 for key, tensor in adapter.from_hf({hf_key: f.get_tensor(hf_key)}).items():
                     if key not in targets:
                         raise ValueError(f"{file.name}: weight {hf_key!r} has no place in the model")
-                    if tensor.shape != targets[key].shape:
+                    dest, src = _local_part(model, key, targets[key], tensor)
+                    if src.shape != dest.shape:
                         raise ValueError(f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
                                          f"the model expects {tuple(targets[key].shape)}")
-                    targets[key].copy_(tensor)
+                    dest.copy_(src)
                     loaded.add(key)
     missing = sorted(targets.keys() - loaded)
     if missing:
         raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing}")
-    return model, args
 
 
 def _cpu_state_dict(model_or_state_dict: nn.Module | dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from meshrl.models import get_family
 from meshrl.models.generic_hf import check_generic_config, resolve_impl
-from meshrl.models.hf import load_hf_model, read_hf_config
+from meshrl.models.hf import build_hf_skeleton, load_hf_model, load_hf_weights, read_hf_config
 from meshrl.runtime.config import ModelConfig
 from meshrl.runtime.tokenizer import build_char_tokenizer, load_tokenizer
 
@@ -66,3 +67,23 @@ def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = to
     model.to_empty(device=device)
     model.init_weights(seed=cfg.init_seed)
     return model.to(dtype), args
+
+
+def build_trainer_policy(cfg: ModelConfig, device: torch.device, shard: Callable[[nn.Module], nn.Module],
+                         tokenizer=None):
+    """The trainer's policy, already parallelized by `shard` (e.g. parallel.parallelize). Returns (model, args).
+
+    From an HF folder: the model is built on the meta device, sharded there, materialised and
+    then each rank reads only its own shards, tensor by tensor, so no rank ever holds the full
+    model. A fresh flavor is initialised in full on every rank first (seeded, so every rank
+    and the inference engines agree) and then sharded: flavors are for tests and demos.
+    Parameters stay fp32 (FSDP2 computes in the compute dtype).
+    """
+    if cfg.path is None:
+        model, args = build_policy(cfg, device, torch.float32, tokenizer=tokenizer)
+        return shard(model), args
+    model, args, adapter = build_hf_skeleton(cfg.path, cfg.impl, torch.float32)
+    model = shard(model)
+    model.to_empty(device=device)
+    load_hf_weights(model, cfg.path, adapter)
+    return model, args

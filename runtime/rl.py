@@ -25,7 +25,7 @@ from meshrl.runtime.controller import Controller
 from meshrl.runtime.inference import run_inference
 from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
                                    pick_device, use_cuda)
-from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
+from meshrl.runtime.policy import build_trainer_policy, check_model_source, compute_dtype, load_tokenizer_for
 from meshrl.runtime.rundir import log, setup_logging, write_config
 from meshrl.runtime.trainer import Trainer
 from meshrl.runtime.transport import Message
@@ -90,10 +90,11 @@ def run_role(cfg: RLConfig, layout: Layout, run_dir: Path) -> None:
 def run_trainer(cfg: RLConfig, layout: Layout) -> None:
     device = layout.device
     tokenizer = load_tokenizer_for(cfg.model)
-    model, args = build_policy(cfg.model, device, torch.float32, tokenizer=tokenizer)
     dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
     p = cfg.trainer.parallel
-    parallelize(model, layout.trainer_meshes, dtype, p.activation_checkpointing, p.ac_every, p.compile)
+    model, args = build_trainer_policy(
+        cfg.model, device, lambda m: parallelize(m, layout.trainer_meshes, dtype, p.activation_checkpointing,
+                                                 p.ac_every, p.compile), tokenizer)
     trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, layout.trainer_meshes,
                       cfg.trainer.attention, cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
     src = layout.roles.trainers[0]

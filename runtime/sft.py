@@ -26,7 +26,7 @@ from meshrl.runtime.config import SFTConfig
 from meshrl.runtime.engine import NativeEngine, Request, SamplingParams, generate
 from meshrl.runtime.layout import init_world, pick_device, use_cuda
 from meshrl.runtime.packing import count_loss_tokens, pack_sft
-from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
+from meshrl.runtime.policy import build_policy, build_trainer_policy, check_model_source, compute_dtype, load_tokenizer_for
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log, setup_logging, write_config
 from meshrl.runtime.trainer import Trainer
 
@@ -63,11 +63,12 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
     leader = rank == 0
     tokenizer = load_tokenizer_for(cfg.model)
     env = make_env(cfg.env.name, **cfg.env.kwargs())
-    model, args = build_policy(cfg.model, device, torch.float32, tokenizer=tokenizer)
     dims = cfg.trainer.parallel.dims(world)
     meshes = build_meshes(dims, list(range(world)), rank, device.type)
     p = cfg.trainer.parallel
-    parallelize(model, meshes, compute_dtype(cfg.model, device), p.activation_checkpointing, p.ac_every, p.compile)
+    model, args = build_trainer_policy(
+        cfg.model, device, lambda m: parallelize(m, meshes, compute_dtype(cfg.model, device), p.activation_checkpointing,
+                                                 p.ac_every, p.compile), tokenizer)
     trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, meshes, cfg.trainer.attention,
                       cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
     metrics = MetricsWriter(run_dir) if leader else None
