@@ -14,6 +14,14 @@ For a document with ``P`` prompt and ``C`` completion tokens at row offset ``o``
 so the loss positions are exactly those whose target is a completion token, and
 ``inference_logprobs`` there is the engine's logprob of that target token.
 
+Multi-turn samples. The completion of a multi-turn episode interleaves sampled tokens with
+environment tokens (tool results, feedback, the next user message), in the order the engine
+saw them. ``Sample.completion_mask`` is True on sampled tokens and False on environment
+tokens; a position is a loss position only if its target is a *sampled* completion token, so
+environment tokens are context and never trained on. ``completion_logprobs`` still has one
+value per completion token (the value at an environment token is ignored). Without a mask
+every completion token is sampled, as above.
+
 Bins are filled first-fit-decreasing by document length, then handed to ranks greedily
 (largest bin to the least-loaded rank). Every rank gets the same number of micro-batches
 because FSDP's collectives must match across ranks: short ranks are padded with length-1
@@ -37,6 +45,7 @@ class Sample:
     completion_ids: list[int]
     completion_logprobs: list[float]  # one per completion token, from the inference engine
     advantage: float
+    completion_mask: list[bool] | None = None  # True: sampled (trained); False: environment token
 
 
 def pack(samples: Sequence[Sample], seq_len: int, num_ranks: int, pad_id: int = 0) -> list[list[TensorDict]]:
@@ -94,6 +103,11 @@ def _document_length(index: int, sample: Sample, seq_len: int) -> int:
             f"sample {index}: {len(sample.completion_ids)} completion tokens but "
             f"{len(sample.completion_logprobs)} completion logprobs"
         )
+    if sample.completion_mask is not None and len(sample.completion_mask) != len(sample.completion_ids):
+        raise ValueError(
+            f"sample {index}: {len(sample.completion_ids)} completion tokens but "
+            f"{len(sample.completion_mask)} completion mask values"
+        )
     length = len(sample.prompt_ids) + len(sample.completion_ids)
     if length > seq_len:
         raise ValueError(f"sample {index}: document of {length} tokens does not fit seq_len={seq_len}")
@@ -143,8 +157,9 @@ def _document_columns(sample: Sample, doc_id: int, sample_index: int) -> dict[st
     num_prompt = len(sample.prompt_ids)
     tokens = list(sample.prompt_ids) + list(sample.completion_ids)
     length = len(tokens)
-    # Position t predicts tokens[t + 1]; it is a loss position iff that token is a completion token.
-    is_loss = [num_prompt - 1 <= t <= length - 2 for t in range(length)]
+    # Position t predicts tokens[t + 1]; it is a loss position iff that token is a sampled completion token.
+    sampled = sample.completion_mask if sample.completion_mask is not None else [True] * len(sample.completion_ids)
+    is_loss = [num_prompt - 1 <= t <= length - 2 and bool(sampled[t + 1 - num_prompt]) for t in range(length)]
     return {
         "input_ids": tokens,
         "position_ids": list(range(length)),
@@ -153,7 +168,8 @@ def _document_columns(sample: Sample, doc_id: int, sample_index: int) -> dict[st
         "targets": tokens[1:] + [0],
         "loss_mask": is_loss,
         "advantages": [float(sample.advantage) if m else 0.0 for m in is_loss],
-        "inference_logprobs": [0.0] * (num_prompt - 1) + list(map(float, sample.completion_logprobs)) + [0.0],
+        "inference_logprobs": [0.0] * (num_prompt - 1)
+        + [float(lp) if m else 0.0 for lp, m in zip(sample.completion_logprobs, sampled)] + [0.0],
     }
 
 
