@@ -241,7 +241,18 @@ class WeightSyncConfig(Base):
 # ----------------------------------------------------------------------------- environments
 
 
-class ReverseTextEnvConfig(Base):
+class _EnvBase(Base):
+    """Settings every environment has."""
+
+    weight: float = Field(1.0, gt=0)
+    """Share of the prompts when this environment is one of a mix (name = "mix"); ratios, any scale."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor arguments of the environment."""
+        return self.model_dump(exclude={"name", "weight"})
+
+
+class ReverseTextEnvConfig(_EnvBase):
     """Reverse a few random words character by character (built in, seeded, no hub)."""
 
     name: Literal["reverse-text"] = "reverse-text"
@@ -265,22 +276,212 @@ class ReverseTextEnvConfig(Base):
             raise ValueError(f"env.min_word_len ({self.min_word_len}) > env.max_word_len ({self.max_word_len})")
         return self
 
+
+class AlphabetSortEnvConfig(_EnvBase):
+    """Sort a few random words alphabetically (built in, seeded; envs/alphabet_sort.py)."""
+
+    name: Literal["alphabet-sort"] = "alphabet-sort"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    min_words: int = Field(2, ge=1)
+    """Fewest words in a prompt."""
+    max_words: int = Field(4, ge=1)
+    """Most words in a prompt."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(6, ge=1)
+    """Longest word."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (similarity); unset ones weigh 1."""
+
+
+class MultiTurnSortEnvConfig(_EnvBase):
+    """Keep a list sorted while it grows each turn; per-turn similarity reward (envs/multiturn_sort.py)."""
+
+    name: Literal["multiturn-sort"] = "multiturn-sort"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    num_turns: int = Field(3, ge=1)
+    """Turns per episode."""
+    min_words: int = Field(2, ge=1)
+    """Fewest words in the first turn."""
+    max_words: int = Field(3, ge=1)
+    """Most words in the first turn."""
+    words_per_turn: int = Field(1, ge=1)
+    """Words added by each later turn."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(5, ge=1)
+    """Longest word."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (similarity)."""
+
+
+class WordleEnvConfig(_EnvBase):
+    """Guess a five-letter word with letter feedback, over several turns (envs/wordle.py)."""
+
+    name: Literal["wordle"] = "wordle"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the secret words."""
+    max_turns: int = Field(6, ge=1)
+    """Guesses per episode."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (solved: 1, letters: 0.2 unless set)."""
+
+
+class ArithmeticEnvConfig(_EnvBase):
+    """Integer arithmetic, as expressions or word problems, with an exact-answer verifier (envs/arithmetic.py)."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    style: Literal["expression", "word"] = "expression"
+    """Bare expressions ("12+7=") or short word problems."""
+    min_value: int = Field(1, ge=0)
+    """Smallest operand."""
+    max_value: int = Field(20, ge=0)
+    """Largest operand."""
+    num_ops: int = Field(1, ge=1)
+    """Operations per expression (style = "expression")."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (correct)."""
+
+
+class CalculatorEnvConfig(_EnvBase):
+    """Tool use: arithmetic with a calculator the model calls over several turns (envs/calculator.py)."""
+
+    name: Literal["calculator"] = "calculator"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    min_value: int = Field(10, ge=0)
+    """Smallest operand."""
+    max_value: int = Field(999, ge=0)
+    """Largest operand."""
+    num_ops: int = Field(2, ge=1)
+    """Operations per problem."""
+    max_tool_calls: int = Field(3, ge=0)
+    """Calculator calls per episode."""
+    instructions: bool = False
+    """Start the prompt with one line explaining the call format (for pretrained chat models)."""
+    tool_timeout_s: float = Field(2.0, gt=0)
+    """Time limit of one calculator call (its own process); past it the rollout fails."""
+    tool_memory_mb: int = Field(128, ge=16)
+    """Address-space limit of one calculator call; past it the rollout fails."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (correct)."""
+
+
+class VerifiersEnvConfig(_EnvBase):
+    """A verifiers (0.4, verifiers.v1) taskset run by our engine (envs/verifiers_adapter.py; the `verifiers` extra)."""
+
+    name: Literal["verifiers"] = "verifiers"
+    """Environment name."""
+    taskset: str
+    """The taskset: an import path `package.module:attr` (a Taskset subclass or instance, or a function
+    returning one) or the id of an installed taskset package."""
+    taskset_args: dict[str, Any] = {}
+    """Fields of the taskset's config (its TasksetConfig subclass)."""
+    mode: Literal["auto", "direct", "harness"] = "auto"
+    """direct: prompt -> one completion -> the task's reward and metric functions; harness: each episode runs
+    the task through a verifiers agent harness (multi-turn, tools, task setup) with an in-process client over
+    our engine; auto: harness when the task needs a runtime or has tool servers, else direct."""
+    harness: str = "null"
+    """Harness id for harness mode (a built-in verifiers harness that runs on the host, e.g. null or bash)."""
+    seed: int | None = None
+    """Shuffle the task order with this seed (unset: the taskset's own order)."""
+    label: str | None = None
+    """Name used in metrics (env/<label>/...); unset: the taskset's name."""
+
+
+_SingleEnvConfig = Annotated[
+    Union[ReverseTextEnvConfig, AlphabetSortEnvConfig, MultiTurnSortEnvConfig, WordleEnvConfig, ArithmeticEnvConfig,
+          CalculatorEnvConfig, VerifiersEnvConfig],
+    Field(discriminator="name"),
+]
+
+
+class MixEnvConfig(Base):
+    """Several environments in one run, each a share of the prompts set by its `weight` (envs/mix.py)."""
+
+    name: Literal["mix"] = "mix"
+    """Environment name."""
+    envs: list[_SingleEnvConfig] = Field(min_length=1)
+    """The environments (`[[env.envs]]` tables, each with its name, settings and weight)."""
+
     def kwargs(self) -> dict[str, Any]:
-        """Constructor arguments of the environment."""
-        return self.model_dump(exclude={"name"})
+        """Constructor arguments of the mix: (name, kwargs, weight) per environment."""
+        return {"envs": [(e.name, e.kwargs(), e.weight) for e in self.envs]}
 
 
-EnvConfig = Annotated[Union[ReverseTextEnvConfig], Field(discriminator="name")]
-_UNION_TAGS = {"reverse-text"}
+EnvConfig = Annotated[
+    Union[ReverseTextEnvConfig, AlphabetSortEnvConfig, MultiTurnSortEnvConfig, WordleEnvConfig, ArithmeticEnvConfig,
+          CalculatorEnvConfig, VerifiersEnvConfig, MixEnvConfig],
+    Field(discriminator="name"),
+]
+_UNION_TAGS = {"reverse-text", "alphabet-sort", "multiturn-sort", "wordle", "arithmetic", "calculator", "verifiers",
+               "mix"}
+
+
+class EpisodesConfig(Base):
+    """How environment work (starting, stepping, scoring episodes) runs; see runtime/episodes.py."""
+
+    workers: int = Field(4, ge=1)
+    """Worker threads for environment calls (a verifiers harness episode holds one while it runs)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Longest one environment call (episode start, a step with its tool calls, scoring) may take; past
+    it the rollout fails (counted in rollouts/failed, excluded from training)."""
+    score_memory_mb: int = Field(0, ge=0)
+    """> 0: score each episode in a forked child process with this many MiB of address space beyond the
+    parent's (a reward function that exhausts memory or hangs is killed); 0: score on a worker thread."""
+
+
+class EvalSettings(Base):
+    """Evaluation: held-out examples, n samples each, mean reward and pass@k (runtime/eval.py)."""
+
+    every: int = Field(0, ge=0)
+    """`meshrl rl`: evaluate the policy every this many steps and at the end (0 = off); results are logged
+    as eval/... on the metrics row of the step that produced the weights."""
+    num_examples: int = Field(32, ge=1)
+    """Examples per evaluation."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Samples per example (n of pass@k)."""
+    pass_k: list[int] = [1]
+    """The k of pass@k (each <= samples_per_prompt), estimated without bias from the n samples."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature (0 = greedy; needs samples_per_prompt = 1)."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Tokens per turn; unset: inference.sampling.max_tokens."""
+    example_offset: int = Field(10**9, ge=0)
+    """Evaluation examples are env.example(example_offset + i): far from the training cursor."""
+    env: EnvConfig | None = None
+    """The environment to evaluate on; unset: the run's env."""
+
+    @model_validator(mode="after")
+    def _pass_k(self) -> "EvalSettings":
+        if not self.pass_k or any(k < 1 or k > self.samples_per_prompt for k in self.pass_k):
+            raise ValueError(f"eval.pass_k {self.pass_k}: each k must be in 1..samples_per_prompt "
+                             f"({self.samples_per_prompt})")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError("eval.samples_per_prompt > 1 needs eval.temperature > 0 (greedy samples are identical)")
+        return self
 
 
 # ----------------------------------------------------------------------------- layout and run
 
 
 def _default_env_name(data: Any) -> Any:
-    """Let `--env.seed 3` alone select the default environment (the union needs its tag)."""
+    """Let `--env.seed 3` alone select the default environment (the union needs its tag); a table
+    with `envs` is a mix."""
     if isinstance(data, dict) and isinstance(data.get("env"), dict) and "name" not in data["env"]:
-        data = {**data, "env": {"name": "reverse-text", **data["env"]}}
+        default = "mix" if "envs" in data["env"] else "reverse-text"
+        data = {**data, "env": {"name": default, **data["env"]}}
     return data
 
 
@@ -339,7 +540,11 @@ class RLConfig(Base):
     model: ModelConfig
     """The policy."""
     env: EnvConfig = ReverseTextEnvConfig()
-    """The environment."""
+    """The environment (or a mix: name = "mix" with [[env.envs]])."""
+    episodes: EpisodesConfig = EpisodesConfig()
+    """How environment work runs (threads, time and memory limits)."""
+    eval: EvalSettings = EvalSettings()
+    """Online evaluation every `eval.every` steps (off by default)."""
     trainer: TrainerConfig = TrainerConfig()
     """Trainer settings."""
     inference: InferenceConfig = InferenceConfig()
@@ -411,6 +616,35 @@ class SFTConfig(Base):
     def world_size(self) -> int:
         """Processes the job needs."""
         return self.num_ranks
+
+
+class EvalConfig(Base):
+    """Evaluate a checkpoint on environments: `meshrl eval @ cfg.toml` (one process, runtime/eval.py)."""
+
+    output_dir: str = "runs/eval"
+    """Where results.json and samples.jsonl are written."""
+    seed: int = 0
+    """Seed of sampling (sample j of example i uses a seed derived from seed, i, j and the turn)."""
+    model: ModelConfig
+    """The checkpoint (model.path, an HF folder) or a fresh flavor."""
+    env: EnvConfig = ReverseTextEnvConfig()
+    """The environment (or a mix) to evaluate on."""
+    eval: EvalSettings = EvalSettings()
+    """Examples, samples, pass@k, temperature (`every` is unused here)."""
+    inference: InferenceConfig = InferenceConfig()
+    """Engine settings (native engine; sampling.max_tokens is the default tokens per turn)."""
+    episodes: EpisodesConfig = EpisodesConfig()
+    """How environment work runs."""
+    dist: DistConfig = DistConfig()
+    """Only `dist.device` is used."""
+
+    _env_name = model_validator(mode="before")(_default_env_name)
+
+    @model_validator(mode="after")
+    def _native(self) -> "EvalConfig":
+        if self.inference.backend != "native":
+            raise ValueError('meshrl eval runs the native engine: inference.backend must be "native"')
+        return self
 
 
 def check_parallel(p: ParallelConfig, num_ranks: int) -> None:
