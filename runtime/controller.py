@@ -14,6 +14,13 @@ so every token of a step-s rollout comes from a policy at most max_off_policy_st
 synchronous on-policy; with k > 0, inference generates up to k steps ahead while the trainer
 trains. Each rollout carries the version of every token; policy_lag = s - oldest version.
 
+Episodes (runtime/episodes.py). Every rollout is an episode: environment work (the prompt, each
+multi-turn step with its tools, scoring) runs on worker threads whose answers arrive on the same
+queue as "episode" messages; each turn is a request to the group's inference rank whose prompt is
+all earlier tokens (token in / token out). A failing, hanging or memory-exceeding environment
+fails only its rollout (rollouts/failed). With eval.every, evaluations run between training
+rollouts on the inference ranks (runtime/eval.py: OnlineEval).
+
 All receives run on Inbox threads; the loop below waits on one queue, so it sleeps while
 nothing happens, and a dead or silent peer surfaces as an error within dist.timeout_s.
 """
@@ -25,15 +32,19 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from meshrl.envs.base import Environment, Example
+from meshrl.envs import make_env
+from meshrl.envs.base import Environment, Example, as_reward, decode_reply
 from meshrl.runtime import transport
 from meshrl.runtime.algorithms import group_advantages
 from meshrl.runtime.config import RLConfig
+from meshrl.runtime.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter
+from meshrl.runtime.eval import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.packing import Sample, count_loss_tokens, pack
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log
@@ -53,6 +64,12 @@ class Rollout:
     text: str = ""
     reward: float = 0.0
     failed: bool = False
+    mask: list[bool] | None = None  # multi-turn: True on sampled tokens, False on environment tokens
+    prompt_ids: list[int] | None = None  # the episode's first prompt (else the group's)
+    components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    env: str = ""
+    error: str = ""
 
 
 @dataclass
@@ -125,6 +142,18 @@ class Controller:
         self.progress = ProgressLine(cfg.max_steps, cfg.log.console, "rl")
         self.final: dict[str, float] = {}
         self._pending_stats: dict[str, float] = {}  # rollout statistics of the step being trained
+        # Episodes (runtime/episodes.py): environment work on worker threads whose answers arrive
+        # on the inbox as "episode" messages; every turn goes to its group's inference rank.
+        ep = cfg.episodes
+        self.driver = EpisodeDriver(tokenizer, max_tokens=cfg.inference.sampling.max_tokens,
+                                    max_model_len=cfg.inference.max_model_len, num_workers=ep.workers,
+                                    timeout_s=ep.timeout_s, score_memory_mb=ep.score_memory_mb,
+                                    post=lambda event: self.inbox.queue.put(Message("episode", {"event": event})))
+        self.turns = TurnRouter(self.driver, self._send_requests, self._new_request_id, cfg.inference.sampling.top_p)
+        self.where = self.turns.where  # request id -> episode key
+        eval_env = make_env(cfg.eval.env.name, **cfg.eval.env.kwargs()) if cfg.eval.env is not None else env
+        self.evals = (OnlineEval(cfg.eval, eval_env, cfg.max_steps, cfg.seed, tokenizer, run_dir)
+                      if cfg.eval.every else None)
 
     # ------------------------------------------------------------------ loop
 
@@ -134,9 +163,10 @@ class Controller:
         for r in roles.inference:
             self.inbox.listen(r, self.layout.up[r], f"inference-{r}")
         waited = 0.0
-        while self.clock.trained < self.cfg.max_steps:
+        while self.clock.trained < self.cfg.max_steps or (self.evals is not None and self.evals.busy):
             self._dispatch()
             self._maybe_train()
+            self.turns.flush()
             msg = self.inbox.get(timeout=HEARTBEAT_S)
             if msg is None:
                 waited += HEARTBEAT_S
@@ -145,6 +175,8 @@ class Controller:
                 continue
             waited = 0.0
             self._handle(msg)
+            for more in self.inbox.drain():  # together: the turns they start go out in one message per rank
+                self._handle(more)
         self._shutdown()
         self.progress.close()
         return self.final
@@ -156,6 +188,10 @@ class Controller:
             self.clock.weights_version = msg.meta["version"]
             for r in self.layout.roles.inference:
                 transport.send(Message("load_weights", {"version": msg.meta["version"]}), r, self.layout.down[r])
+            if self.evals is not None and self.evals.due(msg.meta["version"]):  # after the load: evaluates v
+                self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.inference))
+        elif msg.kind == "episode":
+            self._on_episode(msg.meta["event"])
         elif msg.kind == "report":
             self._on_report(msg.meta)
         else:
@@ -172,57 +208,86 @@ class Controller:
             self.clock.dispatched += 1
 
     def _dispatch_step(self, step: int) -> None:
+        """Start the episodes of step ``step``; their first turns go out once their prompts are ready."""
         cfg = self.cfg
         inference = self.layout.roles.inference
-        per_rank: dict[int, tuple[list[int], list[list[int]], list[int]]] = {r: ([], [], []) for r in inference}
         groups = []
         for g in range(cfg.prompts_per_step):
             example = self.env.example(self.cursor)
             self.cursor += 1
-            prompt_ids = self.tokenizer.encode(example.prompt, add_special_tokens=False)
-            if len(prompt_ids) + cfg.inference.sampling.max_tokens > cfg.inference.max_model_len:
-                raise ValueError(
-                    f"example {example.index} has a {len(prompt_ids)}-token prompt: with max_tokens "
-                    f"{cfg.inference.sampling.max_tokens} it exceeds inference.max_model_len ({cfg.inference.max_model_len})")
-            groups.append(Group(example, prompt_ids, [None] * cfg.samples_per_prompt))
+            groups.append(Group(example, [], [None] * cfg.samples_per_prompt))
             rank = inference[(step * cfg.prompts_per_step + g) % len(inference)]  # a group stays on one replica
-            ids, prompts, seeds = per_rank[rank]
             for j in range(cfg.samples_per_prompt):
-                rid = self.next_request_id
-                self.next_request_id += 1
-                self.where[rid] = (step, g, j)
-                ids.append(rid)
-                prompts.append(prompt_ids)
-                seeds.append(random.Random(f"{cfg.seed}:{step}:{g}:{j}").getrandbits(62))
+                self.turns.start(("train", step, g, j), self.env, example, rank, cfg.inference.sampling.temperature,
+                                 partial(self._turn_seed, step, g, j))
         self.steps[step] = StepState(groups, time.perf_counter(), pending=cfg.prompts_per_step * cfg.samples_per_prompt)
-        s = cfg.inference.sampling
-        meta = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens,
-                "stop_token_ids": [self.eos_id], "step": step}
-        for rank, (ids, prompts, seeds) in per_rank.items():
-            if ids:
-                transport.send(Message("generate", meta, encode_requests(ids, prompts, seeds)), rank, self.layout.down[rank])
         log.info("dispatched step %d (%d prompts x %d samples) with weights v%d",
                  step, cfg.prompts_per_step, cfg.samples_per_prompt, self.clock.weights_version)
+
+    def _turn_seed(self, step: int, g: int, j: int, turn: int) -> int:
+        """Sampling seed of one turn (the first turn's is that of a single-turn rollout)."""
+        tag = f"{self.cfg.seed}:{step}:{g}:{j}" + (f":{turn}" if turn else "")
+        return random.Random(tag).getrandbits(62)
+
+    def _new_request_id(self) -> int:
+        rid = self.next_request_id
+        self.next_request_id += 1
+        return rid
+
+    def _send_requests(self, rank: int, meta: dict, ids: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
+        transport.send(Message("generate", meta, encode_requests(ids, prompts, seeds)), rank, self.layout.down[rank])
 
     # ------------------------------------------------------------------ scoring
 
     def _on_completions(self, td: TensorDict) -> None:
         for rid, rollout in decode_completions(td):
-            step, g, j = self.where.pop(rid)
-            state = self.steps[step]
-            group = state.groups[g]
-            self._score(group.example, rollout)
-            group.rollouts[j] = rollout
-            state.pending -= 1
-            state.completion_tokens += len(rollout.token_ids)
-            state.failed += rollout.failed
-            self.clock.tokens_since_report += len(rollout.token_ids)
+            key = self.turns.on_completion(rid, rollout.token_ids, rollout.logprobs, rollout.versions,
+                                           rollout.finish_reason)
+            if key[0] == "train":
+                self.clock.tokens_since_report += len(rollout.token_ids)
+
+    def _on_episode(self, event: EnvEvent) -> None:
+        """An environment call finished: the episode's next turn is queued, or the episode is over."""
+        result = self.turns.handle(event)
+        if result is None:
+            return
+        if result.key[0] == "eval":
+            for row in self.evals.add(result):
+                self.metrics.write(row)
+            return
+        _, step, g, j = result.key
+        state = self.steps[step]
+        group = state.groups[g]
+        rollout = self._rollout(result)
+        if not group.prompt_ids:
+            group.prompt_ids = result.prompt_ids
+        group.rollouts[j] = rollout
+        state.pending -= 1
+        state.completion_tokens += len(rollout.token_ids)
+        state.failed += rollout.failed
+        if rollout.failed:
+            log.error("rollout of %s example %d failed and is excluded: %s", result.env, result.example.index,
+                      result.error)
+
+    def _rollout(self, result: EpisodeResult) -> Rollout:
+        multi_turn = not all(result.mask)
+        text = (self.tokenizer.decode(result.token_ids) if multi_turn
+                else decode_reply(self.tokenizer, result.token_ids))
+        reward = result.reward
+        return Rollout(result.token_ids, result.logprobs, result.versions, result.finish_reason, text=text,
+                       reward=reward.total if reward is not None else 0.0, failed=result.failed,
+                       mask=result.mask if multi_turn else None, prompt_ids=result.prompt_ids,
+                       components=dict(reward.components) if reward is not None else {},
+                       metrics=dict(reward.metrics) if reward is not None else {}, env=result.env,
+                       error=result.error)
 
     def _score(self, example: Example, rollout: Rollout) -> None:
+        """Score a single-turn rollout here, on the controller's thread (kept for tests and tools)."""
         ids = rollout.token_ids[:-1] if rollout.token_ids and rollout.token_ids[-1] == self.eos_id else rollout.token_ids
         rollout.text = self.tokenizer.decode(ids)
         try:
-            rollout.reward = float(self.env.score(example, rollout.text))
+            reward = as_reward(self.env.score(example, rollout.text))
+            rollout.reward, rollout.components, rollout.metrics = reward.total, reward.components, reward.metrics
         except Exception:  # noqa: BLE001 - a user's reward function; the rollout is excluded and counted
             rollout.failed = True
             log.error("reward function of %s raised on example %d; rollout excluded:\n%s",
@@ -259,7 +324,7 @@ class Controller:
             ok = [r for r in group.rollouts if r is not None and not r.failed]
             rewards += [r.reward for r in ok]
             lags += [step - min(r.versions) for r in ok if r.versions]
-            lengths += [len(r.token_ids) for r in ok]
+            lengths += [sum(r.mask) if r.mask is not None else len(r.token_ids) for r in ok]
             if len(ok) < 2:
                 filtered += 1
                 continue
@@ -268,7 +333,7 @@ class Controller:
                 filtered += 1
                 continue
             for r, a in zip(ok, adv.tolist()):
-                samples.append(Sample(group.prompt_ids, r.token_ids, r.logprobs, a))
+                samples.append(Sample(r.prompt_ids or group.prompt_ids, r.token_ids, r.logprobs, a, r.mask))
         truncated = sum(r.finish_reason == "length" for g in state.groups for r in g.rollouts if r is not None)
         total = len(state.groups) * self.cfg.samples_per_prompt
         stats = {
@@ -282,9 +347,30 @@ class Controller:
             "rollouts/truncated_fraction": truncated / total,
             "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
             "time/rollout_s": time.perf_counter() - state.dispatched_at,
+            **self._env_stats(state),
         }
         self._write_samples(step, state)
         return samples, stats
+
+    def _env_stats(self, state: StepState) -> dict[str, float]:
+        """env/<name>/reward, env/<name>/<component or metric> (means), env/<name>/failed, per environment."""
+        by_env: dict[str, list[Rollout]] = {}
+        for group in state.groups:
+            for r in group.rollouts:
+                if r is not None:
+                    by_env.setdefault(r.env or getattr(self.env, "name", "env"), []).append(r)
+        out: dict[str, float] = {}
+        for name, rollouts in sorted(by_env.items()):
+            ok = [r for r in rollouts if not r.failed]
+            out[f"env/{name}/reward"] = statistics.fmean(r.reward for r in ok) if ok else 0.0
+            out[f"env/{name}/failed"] = len(rollouts) - len(ok)
+            values: dict[str, list[float]] = {}
+            for r in ok:
+                for key, value in {**r.components, **r.metrics}.items():
+                    values.setdefault(key, []).append(value)
+            for key, vals in sorted(values.items()):
+                out.setdefault(f"env/{name}/{key}", statistics.fmean(vals))
+        return out
 
     def _write_samples(self, step: int, state: StepState) -> None:
         rows = []
@@ -294,7 +380,9 @@ class Controller:
                     continue
                 rows.append({"step": step, "prompt": group.example.prompt, "answer": group.example.answer,
                              "completion": r.text, "reward": r.reward, "finish_reason": r.finish_reason,
-                             "versions": sorted(set(r.versions)), "failed": r.failed})
+                             "versions": sorted(set(r.versions)), "failed": r.failed, "env": r.env,
+                             "components": r.components, "metrics": r.metrics,
+                             "error": r.error.splitlines()[0] if r.error else ""})
         self.metrics.samples(step, rows)
 
     def _on_report(self, meta: dict) -> None:
@@ -312,7 +400,8 @@ class Controller:
                    "time/train_s": trainer["train_time_s"],
                    "time/weight_sync_s": meta["weight_sync_s"],
                    "weights/version": meta["version"]}
-        self.metrics.write(metrics)
+        for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
+            self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/eval.py)
         del self.steps[step]
         self.clock.trained += 1
         self.clock.training = False
@@ -338,7 +427,7 @@ class Controller:
                 raise TimeoutError(f"ranks {sorted(waiting)} did not finish within {self.cfg.dist.timeout_s}s")
             if msg.kind == "done":
                 waiting.discard(msg.src)
-            elif msg.kind in ("completions", "weights"):
+            elif msg.kind in ("completions", "weights", "episode"):
                 continue  # late messages of the last step; nothing left to train on
             else:
                 self._handle(msg)
