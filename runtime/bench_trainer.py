@@ -68,6 +68,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default by name)")
     p.add_argument("--vocab-size", type=int, default=None, help="override the flavor's vocabulary")
+    p.add_argument("--profile", action="store_true",
+                   help="after the measured steps, profile one more step and print the top kernels (rank 0)")
     return p.parse_args(argv)
 
 
@@ -159,7 +161,7 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
     with torch.no_grad():
         model.init_weights()  # each rank initialises its own shards; random weights are all we need
     trainer = Trainer(model, OptimConfig(lr=1e-5), device, dist.group.WORLD, meshes, opts.attention,
-                      opts.chunk_tokens)
+                      opts.chunk_tokens, compute_dtype=dtype)
     rows = make_rows(opts, args.vocab_size, opts.rows, seed=meshes.data_rank)
 
     times = []
@@ -175,7 +177,18 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
             times.append(time.perf_counter() - start)
         if cuda and step == 0:
             torch.cuda.reset_peak_memory_stats(device)
-    peak_gib = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0])
+    if opts.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            trainer.sft_step(rows, num_loss_tokens=opts.rows * opts.seq_len * dims.num_data_ranks)
+            if cuda:
+                torch.cuda.synchronize()
+        if rank == 0:
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
+    peak_gib = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
     dist.all_reduce(peak_gib, op=dist.ReduceOp.MAX)
     step_s = statistics.median(times)
     tokens = opts.rows * opts.seq_len * dims.num_data_ranks
@@ -185,7 +198,9 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
         "bench": "trainer", "family": opts.family, "flavor": opts.flavor, "world_size": world,
         "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep,
         "seq_len": opts.seq_len, "docs": opts.docs, "rows": opts.rows, "ac": opts.ac, "compile": opts.compile,
-        "attention": trainer.attention, "dtype": str(dtype).removeprefix("torch."),
+        # one document per row (and no cp): the trainer uses plain causal SDPA whatever the backend
+        "attention": "sdpa-causal" if opts.docs == 1 and dims.cp == 1 else trainer.attention,
+        "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "active_params": n_active, "tokens_per_step": tokens,
         "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
@@ -207,8 +222,13 @@ def main(argv: list[str]) -> None:
                "-m", MODULE, *rank_argv]
         sys.exit(subprocess.call(cmd))
     if "LOCAL_RANK" not in os.environ:  # one process: a world of one
+        import socket
+
+        with socket.socket() as sock:  # a free port, so several single-GPU runs can share a host
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
     result = run_rank(opts)
     if result is not None:
         print(json.dumps(result), flush=True)
