@@ -132,6 +132,11 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: in
 def apply_compile(blocks: list[nn.Module]) -> None:
     """torch.compile every block. Layer ids are module ints: do not specialise (one graph for all)."""
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # Attention contexts cache their mask on the first layer's call (a Python side effect). Under
+    # activation checkpointing dynamo would graph-break on it; replaying it in the recompute is
+    # unnecessary (the cache is already filled), so let dynamo skip that replay.
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     limit = max(torch._dynamo.config.cache_size_limit, 16)
     torch._dynamo.config.cache_size_limit = limit
     for block in blocks:
