@@ -494,17 +494,21 @@ def test_cuda_graph_decode_equals_eager_decode(attention):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_greedy_matches_full_forward_mostly():
-    """bf16 engine (graphs, triton when available) vs bf16 full forwards: same greedy tokens for
-    most of each sequence (bf16 rounding may flip a near-tie late in a sequence)."""
+def test_cuda_bf16_greedy_matches_full_forward_up_to_ties():
+    """bf16 engine (graphs, triton when available) vs a bf16 full forward over the engine's own
+    tokens: every greedy token is the full forward's argmax up to bf16 rounding. (A random tiny
+    model has near-tied logits, so comparing free-running argmax sequences flips on ties: the
+    first GPU run of the older form of this test failed exactly so.)"""
     model = tiny_model()
     engine = cuda_engine(model, torch.bfloat16)
     prompts = random_prompts([5, 12, 3], seed=4)
     out = generate(engine, requests_for(prompts, temperature=0.0, max_tokens=12))
     for prompt, c in zip(prompts, out):
-        ids = list(prompt)
+        ids = list(prompt) + c.token_ids
         with torch.no_grad():
-            for _ in range(4):
-                logits = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None])
-                ids.append(int(logits[0, -1].argmax()))
-        assert c.token_ids[:4] == ids[len(prompt):]
+            logits = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None])
+        logits = logits[0, len(prompt) - 1:-1].float()  # (12, V): the logits each token was chosen from
+        chosen = logits.gather(-1, torch.tensor(c.token_ids, device="cuda")[:, None]).squeeze(-1)
+        gap = logits.max(dim=-1).values - chosen  # 0 when the engine took the argmax
+        scale = logits.abs().max(dim=-1).values
+        assert (gap <= 0.02 * scale + 1e-3).all(), (gap.tolist(), scale.tolist())
