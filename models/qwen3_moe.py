@@ -268,7 +268,9 @@ class Qwen3Moe(nn.Module):
 
     Same contract as `Qwen3`: `forward(tokens, positions, attn, head)`, `hidden(...)`,
     `output_weight`, `layers` keyed "0".."n-1". After a forward, `common.moe.moe_aux_loss(model)`
-    is the (uncoefficiented) load-balancing loss; the trainer scales it by `router_aux_loss_coef`.
+    is the (uncoefficiented) load-balancing loss; the trainer scales it by its own
+    `trainer.moe_aux_loss_coef` (default 0: logged, not trained on; `router_aux_loss_coef` is only
+    carried through the HF config).
     """
 
     def __init__(self, args: Qwen3MoeArgs) -> None:

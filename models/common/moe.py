@@ -25,10 +25,10 @@ k over experts; P_e = mean router probability of e), which is what transformers'
 `load_balancing_loss_func` returns for a single layer, plus detached per-expert assignment
 counts. `moe_aux_loss(model)` sums the aux losses of the last forward (transformers instead
 pools the counts and probabilities of all layers before multiplying; the two agree for one
-MoE layer). `pop_moe_stats(model)` reports and resets the accumulated statistics. Every token
-of the batch counts, padding included: the model never sees a padding mask. Statistics are
-per rank (the trainer reduces them if it wants global values), and a block recomputed under
-activation checkpointing counts its tokens twice.
+MoE layer). `record_moe_stats(model)` (after every forward) accumulates the counts and
+`pop_moe_stats(model)` reports and resets them. Every token of the batch counts, padding
+included: the model never sees a padding mask. Statistics are per rank (the trainer averages
+them over ranks); a block recomputed under activation checkpointing records nothing.
 """
 
 from __future__ import annotations
