@@ -183,16 +183,43 @@ def _cpu_state_dict(model_or_state_dict: nn.Module | dict[str, Tensor], dtype: t
     return out
 
 
+def _shard(state_dict: dict[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
+    """Split a state dict, in key order, into files of at most `max_bytes` (a bigger tensor gets its own)."""
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
 def _write_folder(
     folder: Path,
     hf_state_dict: dict[str, Tensor],
     config: dict[str, Any],
     generation_config: dict[str, Any],
     tokenizer_dir: Path | None,
+    max_shard_bytes: int,
 ) -> None:
     folder.mkdir(parents=True)
-    # "format": "pt" is the metadata transformers expects in a PyTorch safetensors file.
-    save_file(hf_state_dict, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    shards = _shard(hf_state_dict, max_shard_bytes)
+    if len(shards) == 1:
+        # "format": "pt" is the metadata transformers expects in a PyTorch safetensors file.
+        save_file(hf_state_dict, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    else:  # HF's sharded layout: model-0000i-of-0000n.safetensors + an index of key -> file
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            for key, tensor in shard.items():
+                weight_map[key] = name
+                total += tensor.numel() * tensor.element_size()
+        with open(folder / WEIGHTS_INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(folder / CONFIG_FILE, "w") as f:
         json.dump(config, f, indent=2)
     with open(folder / GENERATION_CONFIG_FILE, "w") as f:
@@ -212,8 +239,12 @@ def save_hf_model(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    max_shard_gb: float = 5.0,
 ) -> None:
     """Write an HF model folder: config.json, model.safetensors, generation_config.json, tokenizer.
+
+    Weights above `max_shard_gb` GB are split into `model-0000i-of-0000n.safetensors` files with
+    a `model.safetensors.index.json`, as transformers writes them.
 
     `model_or_state_dict` is a model or a state dict in *our* key layout with full (unsharded)
     tensors on any device. `dtype` casts floating tensors (default: keep their dtype); the
@@ -242,7 +273,7 @@ def save_hf_model(
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from an earlier crash
-    _write_folder(tmp, hf_state_dict, config, generation_config, tok_dir)
+    _write_folder(tmp, hf_state_dict, config, generation_config, tok_dir, int(max_shard_gb * 1e9))
     if folder.exists():
         # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first.
         old = folder.with_name(folder.name + ".old")

@@ -132,3 +132,23 @@ def test_save_replaces_an_existing_folder_and_copies_the_tokenizer(tmp_path):
     assert json.loads((tmp_path / "m" / "generation_config.json").read_text())["eos_token_id"] == 2
     with pytest.raises(ValueError, match="tokenizer_dir"):
         save_hf_model(model, args, tmp_path / "m2", tokenizer_dir=tmp_path / "m2-missing")
+
+
+def test_large_state_dicts_are_saved_as_shards_with_an_index(tmp_path):
+    """Above max_shard_gb the folder has HF's sharded layout; transformers and our loader read it."""
+    from meshrl.models.qwen3 import FLAVORS
+
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    save_hf_model(model, args, tmp_path / "hf", max_shard_gb=40e3 / 1e9)  # ~40 kB per file
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)
+    loaded, _ = load_hf_model(tmp_path / "hf")
+    for (name, a), b in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(a, b), name
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert torch.equal(hf.model.embed_tokens.weight, model.tok_embeddings.weight)
