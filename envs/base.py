@@ -68,6 +68,9 @@ class Reward:
     def total(self) -> float:
         return float(sum(self.weights.get(k, 1.0) * v for k, v in self.components.items()))
 
+    def __float__(self) -> float:  # code written for float rewards (e.g. SFT's evaluator) keeps working
+        return self.total
+
 
 def as_reward(value: Reward | float | int) -> Reward:
     """A `Reward` from what a scoring function returned: a Reward, or a number (component "reward")."""
