@@ -141,7 +141,7 @@ class TrainerConfig(Base):
     micro_batch_tokens: int = Field(2048, ge=16)
     """Tokens per packed micro-batch row (several documents per row)."""
     attention: Literal["auto", "sdpa", "flex", "varlen", "flash_attn"] = "auto"
-    """Attention kernel for packed rows: auto = flex on GPU, sdpa (with a document mask) on CPU."""
+    """Attention kernel for packed rows: auto = varlen on GPU in bf16/fp16 (else flex), sdpa on CPU."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
     moe_aux_loss_coef: float = Field(0.0, ge=0)
@@ -511,6 +511,9 @@ class DistConfig(Base):
     """A rank that hears nothing on a control channel for this long fails the job. Channels are
     legitimately idle while the other side works (a long step), so this is longer than timeout_s;
     a peer that dies closes its connections and is detected at once, not after this timeout."""
+    max_restarts: int = Field(0, ge=0)
+    """Restart the whole job up to this many times after a rank fails (`torchrun --max-restarts`, set
+    by `meshrl rl|sft`); every restart resumes from the latest complete checkpoint (docs/checkpoints.md)."""
 
 
 class LogConfig(Base):
@@ -520,6 +523,52 @@ class LogConfig(Base):
     """Rollouts per step written to samples/step_N.jsonl for a person to read."""
     console: bool = True
     """Show a live progress line on the console."""
+    heartbeat_s: float = Field(60.0, gt=0)
+    """A rank that stays this long in one phase (a train step, a weight sync, waiting for a message)
+    logs which phase, and again every heartbeat_s, so a stuck rank shows where it is."""
+
+
+class CheckpointConfig(Base):
+    """Resumable checkpoints in RUN_DIR/checkpoints/step_N (docs/checkpoints.md)."""
+
+    every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every this many steps and at the end (0 = none: only the final HF
+    export, and the run cannot be resumed)."""
+    keep_last: int = Field(2, ge=1)
+    """Keep the newest this many checkpoints; older ones are deleted once a newer one is complete."""
+    keep_every: int = Field(0, ge=0)
+    """Also keep every checkpoint whose step is a multiple of this (0 = none)."""
+    async_save: bool = True
+    """Write the trainer shards from a CPU copy in a background thread, so training goes on meanwhile."""
+    export_every: int = Field(0, ge=0)
+    """Also export the policy as an HF folder checkpoints/hf_step_N every this many steps (0 = only
+    checkpoints/final at the end)."""
+
+
+class ResumeConfig(Base):
+    """Which checkpoint `--resume.step N` continues from."""
+
+    step: int | None = Field(None, ge=1)
+    """Resume from checkpoints/step_N; unset: the latest complete checkpoint."""
+
+
+class WandbConfig(Base):
+    """Weights & Biases logging of metrics.jsonl's rows (the `wandb` extra; docs/checkpoints.md)."""
+
+    enabled: bool = False
+    """Log every step's metrics to W&B as well (one W&B run per run directory, continued on resume)."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """auto: online when logged in (WANDB_API_KEY or `wandb login`), otherwise offline (`wandb sync` later)."""
+    project: str = "meshrl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); unset: the logged-in user's default."""
+    name: str | None = None
+    """Run name; unset: the run directory's name."""
+    group: str | None = None
+    """W&B group of related runs."""
+    tags: list[str] = []
+    """W&B tags."""
 
 
 class RLConfig(Base):
@@ -557,6 +606,14 @@ class RLConfig(Base):
     """torch.distributed settings."""
     log: LogConfig = LogConfig()
     """Logging settings."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
+    resume: bool | Literal["auto"] | ResumeConfig = False
+    """Continue the run in output_dir: true (`--resume`) from the latest complete checkpoint,
+    `--resume.step N` from step_N, "auto" from the latest if there is one (else start fresh: for
+    requeued jobs). Restarts under `dist.max_restarts` resume by themselves."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging."""
 
     _env_name = model_validator(mode="before")(_default_env_name)
 
@@ -604,6 +661,12 @@ class SFTConfig(Base):
     """Trainer ranks (all ranks train; there is no controller)."""
     dist: DistConfig = DistConfig()
     """torch.distributed settings."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
+    resume: bool | Literal["auto"] | ResumeConfig = False
+    """Continue the run in output_dir (see RLConfig.resume)."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging."""
 
     _env_name = model_validator(mode="before")(_default_env_name)
 

@@ -23,6 +23,13 @@ rollouts on the inference ranks (runtime/eval.py: OnlineEval).
 
 All receives run on Inbox threads; the loop below waits on one queue, so it sleeps while
 nothing happens, and a dead or silent peer surfaces as an error within dist.timeout_s.
+
+Checkpoints (runtime/checkpoint.py). After the report of step s, every checkpoint.every steps,
+the controller writes its state for continuing at step N = s + 1 into checkpoints/step_N.tmp/
+and sends `checkpoint N` to the trainers, ahead of step N's batch; the trainer leader completes
+the folder. The state is the cursor at which step N's prompts were taken, so rollouts already
+in flight for steps >= N are not saved: a resumed run dispatches them again, with the same
+prompts and seeds.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from tensordict import TensorDict
 
 from meshrl.envs import make_env
 from meshrl.envs.base import Environment, Example, as_reward, decode_reply
+from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import transport
 from meshrl.runtime.algorithms import group_advantages
 from meshrl.runtime.config import RLConfig
@@ -125,16 +133,18 @@ def decode_completions(td: TensorDict) -> list[tuple[int, Rollout]]:
 class Controller:
     """Owns the dataset cursor, the environment, the buffer of rollouts and the step clock."""
 
-    def __init__(self, cfg: RLConfig, layout: Layout, env: Environment, tokenizer, run_dir: Path):
+    def __init__(self, cfg: RLConfig, layout: Layout, env: Environment, tokenizer, run_dir: Path,
+                 metrics: MetricsWriter | None = None):
         self.cfg = cfg
         self.layout = layout
         self.env = env
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.run_dir = run_dir
-        self.metrics = MetricsWriter(run_dir)
+        self.metrics = metrics if metrics is not None else MetricsWriter(run_dir)
         self.clock = Clock()
         self.cursor = 0
+        self._cursor_at: dict[int, int] = {}  # step -> cursor before its prompts (for checkpoints)
         self.steps: dict[int, StepState] = {}
         self.where: dict[int, tuple[int, int, int]] = {}  # request id -> (step, group, sample)
         self.next_request_id = 0
@@ -179,6 +189,7 @@ class Controller:
                 self._handle(more)
         self._shutdown()
         self.progress.close()
+        self.metrics.close()
         return self.final
 
     def _handle(self, msg: Message) -> None:
@@ -212,6 +223,7 @@ class Controller:
         cfg = self.cfg
         inference = self.layout.roles.inference
         groups = []
+        self._cursor_at[step] = self.cursor
         for g in range(cfg.prompts_per_step):
             example = self.env.example(self.cursor)
             self.cursor += 1
@@ -399,7 +411,8 @@ class Controller:
                    "time/step_s": elapsed,
                    "time/train_s": trainer["train_time_s"],
                    "time/weight_sync_s": meta["weight_sync_s"],
-                   "weights/version": meta["version"]}
+                   "weights/version": meta["version"],
+                   "train/nonfinite_steps": trainer.get("nonfinite_steps", 0)}
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
             self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/eval.py)
         del self.steps[step]
@@ -412,6 +425,56 @@ class Controller:
             f"reward {metrics['reward/mean']:.3f}  lag {metrics['policy_lag/max']}  "
             f"rollout {metrics['tokens/rollout_per_s']:.0f} tok/s  train {metrics['tokens/train_per_s']:.0f} tok/s"))
         log.info("step %d: %s", step, {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})
+        self._cursor_at.pop(step, None)
+        self._maybe_checkpoint()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What a run needs to continue at step N = clock.trained (called right after a report)."""
+        n = self.clock.trained
+        version, internal, gauss = random.getstate()
+        return {"step": n, "cursor": self._cursor_at.get(n, self.cursor), "next_request_id": self.next_request_id,
+                "python_random": [version, list(internal), gauss], "torch_rng": torch.get_rng_state().tolist(),
+                "env": self.env.state_dict() if hasattr(self.env, "state_dict") else None,
+                # rows waiting for an online evaluation: a resumed run writes them without it
+                "held_rows": list(self.evals.held) if self.evals is not None else []}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at step state["step"]: its prompts come next; the engines hold weights of that version."""
+        n = state["step"]
+        self.clock.trained = self.clock.dispatched = self.clock.weights_version = n
+        self.cursor = state["cursor"]
+        self.next_request_id = state["next_request_id"]
+        version, internal, gauss = state["python_random"]
+        random.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        if state.get("env") is not None:
+            self.env.load_state_dict(state["env"])
+        for row in state.get("held_rows", []):
+            if row["step"] not in self.metrics.steps:
+                log.warning("step %d: its online evaluation was interrupted; writing its row without it", row["step"])
+                self.metrics.write(row)
+
+    def _maybe_checkpoint(self) -> None:
+        """Every checkpoint.every steps and at the end: write this state, tell the trainers to save theirs."""
+        c, n = self.cfg.checkpoint, self.clock.trained
+        save = c.every > 0 and (n % c.every == 0 or n == self.cfg.max_steps)
+        export = c.export_every > 0 and n % c.export_every == 0 and n < self.cfg.max_steps
+        if not (save or export):
+            return
+        root = ckpt.checkpoints_dir(self.run_dir)
+        meta: dict = {"step": n}
+        if save:
+            try:
+                meta["path"] = str(ckpt.begin(root, n, {ckpt.CONTROLLER_FILE: self.state_dict()}))
+            except OSError as e:  # a full disk: the previous checkpoints stay; the next save tries again
+                log.error("checkpoint step_%d: cannot write the controller state (%s); skipped", n, e)
+        if export:
+            meta["export"] = str(root / f"hf_step_{n}")
+        if "path" in meta or export:
+            for r in self.layout.roles.trainers:
+                transport.send(Message("checkpoint", meta), r, self.layout.down[r])
 
     # ------------------------------------------------------------------ shutdown
 

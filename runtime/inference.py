@@ -49,7 +49,9 @@ def decode_requests(msg: Message) -> list[Request]:
     return requests
 
 
-def run_inference(cfg: RLConfig, layout: Layout) -> None:
+def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None:
+    """Serve the controller until `stop`. `start_version`: the version of the first weights the
+    trainer sends (a resumed run's checkpoint step)."""
     device = layout.device
     dtype = compute_dtype(cfg.model, device)
     if cfg.inference.backend == "vllm":
@@ -68,7 +70,9 @@ def run_inference(cfg: RLConfig, layout: Layout) -> None:
     inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
     src = layout.roles.trainers[0]
     _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
-    log.info("received initial weights (v0)")
+    if start_version:
+        engine.set_version(start_version)
+    log.info("received initial weights (v%d)", start_version)
     up = layout.up[layout.rank]
     generated = 0
     while True:

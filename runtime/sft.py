@@ -10,6 +10,8 @@ before RL begins. The final weights are exported as an HF folder to checkpoints/
 
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -21,13 +23,14 @@ from meshrl.envs import make_env
 from meshrl.parallel import full_tensors, parallelize
 from meshrl.parallel.dims import build_meshes
 from meshrl.runtime import launch as launching
+from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import SFTConfig
 from meshrl.runtime.engine import NativeEngine, Request, SamplingParams, generate
 from meshrl.runtime.layout import init_world, pick_device, use_cuda
 from meshrl.runtime.packing import count_loss_tokens, pack_sft
 from meshrl.runtime.policy import build_policy, build_trainer_policy, check_model_source, compute_dtype, load_tokenizer_for
-from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log, setup_logging, write_config
+from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log, record_restart, restart_count, setup_logging, write_config
 from meshrl.runtime.trainer import Trainer
 
 MODULE = "meshrl.runtime.sft"
@@ -37,6 +40,8 @@ EVAL_OFFSET = 10**9  # held-out examples come from far past any training cursor
 def preflight(cfg: SFTConfig) -> None:
     check_model_source(cfg.model)
     launching.check_world_size(cfg)
+    if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
+        ckpt.check_resume(cfg, "sft")
 
 
 def launch(cfg: SFTConfig) -> int:
@@ -54,11 +59,16 @@ def run_rank(cfg: SFTConfig, run_dir: Path) -> None:
     device = pick_device(cuda)
     rank, world = init_world(cuda, cfg.dist.timeout_s)
     setup_logging(run_dir, rank, "trainer")
-    run_sft(cfg, rank, world, device)
+    # checkpoint collectives run in a background thread: a gloo group of their own
+    ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    start = ckpt.decide_resume(cfg, "sft")
+    run_sft(cfg, rank, world, device, start, ckpt_group)
     dist.destroy_process_group()
 
 
-def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None:
+def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device, start: int | None = None,
+            ckpt_group=None) -> None:
+    """`start`: the checkpoint step to resume from (None: fresh)."""
     run_dir = Path(cfg.output_dir)
     leader = rank == 0
     tokenizer = load_tokenizer_for(cfg.model)
@@ -71,15 +81,28 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
                                                  p.ac_every, p.compile), tokenizer)
     trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, meshes, cfg.trainer.attention,
                       cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
-    metrics = MetricsWriter(run_dir) if leader else None
+    checkpointer = ckpt.TrainerCheckpointer(trainer, meshes, ckpt_group, leader, cfg.checkpoint,
+                                           ckpt.manifest_base(cfg, "sft", dims, world))
+    cursor = 0  # index of the first example of step `start or 0`
+    if start is not None:
+        path = ckpt.step_path(ckpt.checkpoints_dir(run_dir), start)
+        checkpointer.load(path, ckpt.read_manifest(path))
+        cursor = ckpt.read_state(run_dir, start, ckpt.RUN_FILE)["cursor"]
+    metrics = None
+    if leader:
+        from meshrl.runtime.wandb_logger import make_sinks
+
+        metrics = MetricsWriter(run_dir, start or 0, make_sinks(cfg.wandb, run_dir, cfg.model_dump(), start is not None))
+        if start is not None or restart_count():
+            record_restart(run_dir, start, metrics.steps_lost)
     progress = ProgressLine(cfg.max_steps, leader, "sft")
     if leader:
         write_config(run_dir, cfg.model_dump_json(indent=2))
     evaluator = Evaluator(cfg, env, tokenizer, device) if cfg.eval_every else None
     eos = tokenizer.eos_token_id
-    for step in range(cfg.max_steps):
+    for step in range(start or 0, cfg.max_steps):
         examples = []
-        for index in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+        for index in range(cursor, cursor + cfg.batch_size):
             ex = env.example(index)
             prompt = tokenizer.encode(ex.prompt, add_special_tokens=False)
             completion = tokenizer.encode(env.sft_completion(ex), add_special_tokens=False) + [eos]
@@ -97,7 +120,16 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> None
             status = f"loss {stats['loss']:.3f}" + (f"  eval/reward {row['eval/reward']:.3f}" if "eval/reward" in row else "")
             progress.update(step + 1, status)
             log.info("step %d: %s", step, row)
+        cursor += cfg.batch_size
+        n, c = step + 1, cfg.checkpoint
+        if c.every and (n % c.every == 0 or n == cfg.max_steps):
+            checkpointer.save_with(n, ckpt.checkpoints_dir(run_dir), {ckpt.RUN_FILE: {"step": n, "cursor": cursor}})
+        if c.export_every and n % c.export_every == 0 and n < cfg.max_steps:
+            export_hf(model, args, tokenizer, ckpt.checkpoints_dir(run_dir) / f"hf_step_{n}", leader)
     progress.close()
+    checkpointer.close()
+    if metrics is not None:
+        metrics.close()
     export_hf(model, args, tokenizer, run_dir / "checkpoints" / "final", leader)
 
 

@@ -15,6 +15,7 @@ forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -29,6 +30,7 @@ from meshrl.parallel.parallelize import clip_grad_norm_
 from meshrl.runtime import algorithms
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.logprob_head import LogprobHead
+from meshrl.runtime.rundir import log
 
 _STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", "pg_loss_sum",
               "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
@@ -59,6 +61,23 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.version = 0
         """Optimizer steps taken = the policy version the weights now carry."""
+        self.nonfinite_steps = 0
+        """Steps whose gradient norm was NaN/inf and whose update was therefore skipped."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters saved beside the sharded weights and AdamW state (runtime/checkpoint.py)."""
+        return {"version": self.version, "nonfinite_steps": self.nonfinite_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the counters and the schedule's position. The schedule is a function of the step
+        and its base lr comes from the current config, so a changed lr applies from the resume on."""
+        self.version = state["version"]
+        self.nonfinite_steps = state.get("nonfinite_steps", 0)
+        sched = self.scheduler
+        sched.last_epoch = self.version
+        for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(self.version)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     @property
     def cp(self) -> int:
@@ -113,6 +132,7 @@ class Trainer:
             "loss_tokens": out["loss_tokens"],
             "train_tokens": out["tokens"],
             "train_time_s": time.perf_counter() - start,
+            "nonfinite_steps": self.nonfinite_steps,
             **self._moe_stats(out),
         }
 
@@ -141,6 +161,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "train_tokens": out["tokens"],
             "train_time_s": time.perf_counter() - start,
+            "nonfinite_steps": self.nonfinite_steps,
             **self._moe_stats(out),
         }
 
@@ -176,6 +197,11 @@ class Trainer:
         """Clip, step, advance the schedule and the version. Returns the global grad norm."""
         shard_group = None if self.meshes is None else self.meshes.shard_group
         norm = clip_grad_norm_(self.model, self.cfg.max_grad_norm, shard_group)
+        if not math.isfinite(norm):  # the same global norm on every rank: all skip together
+            self.nonfinite_steps += 1
+            log.warning("optimizer step %d: gradient norm %s; update skipped, weights unchanged (%d such steps so far)",
+                        self.version, norm, self.nonfinite_steps)
+            skip = True
         if not skip:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,9 @@
 # Unlike `meshrl rl|sft`, this neither clears old RUN_DIR/logs/error-rank*.txt files nor prints a
 # failure summary; after a failure read RUN_DIR/logs/ (error-rank{R}.txt, rank{R}-{role}.log).
 # Environment: PYTHON (default: .venv/bin/python of this repository if present, else python3),
-# OMP_NUM_THREADS (default: CPU cores / NPROC), MASTER_PORT is chosen by torchrun --standalone.
+# OMP_NUM_THREADS (default: CPU cores / NPROC), MASTER_PORT is chosen by torchrun --standalone,
+# MAX_RESTARTS (default 0): when a rank dies, torchrun restarts every rank up to this many times
+# and the run resumes from its latest complete checkpoint (set checkpoint.every; docs/checkpoints.md).
 set -euo pipefail
 
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -43,9 +45,13 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+# A fresh rendezvous store per restart: with the agent's shared store, restarted ranks can read
+# the previous attempt's addresses while creating the default process group.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 CORES=$(nproc 2>/dev/null || echo 1)
 THREADS=$(( CORES / NPROC ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
     -m "meshrl.runtime.$MODE" @ "$CONFIG" "$@"
