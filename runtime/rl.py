@@ -113,7 +113,7 @@ def run_trainer(cfg: RLConfig, layout: Layout, start: int | None = None, ckpt_gr
         cfg.model, device, lambda m: parallelize(m, layout.trainer_meshes, dtype, p.activation_checkpointing,
                                                  p.ac_every, p.compile), tokenizer)
     trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, layout.trainer_meshes,
-                      cfg.trainer.attention, cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
+                      cfg.trainer.attention, cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef, dtype)
     src = layout.roles.trainers[0]
     leader = layout.is_trainer_leader
     checkpointer = ckpt.TrainerCheckpointer(

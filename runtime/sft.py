@@ -80,7 +80,8 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device, start: 
         cfg.model, device, lambda m: parallelize(m, meshes, compute_dtype(cfg.model, device), p.activation_checkpointing,
                                                  p.ac_every, p.compile), tokenizer)
     trainer = Trainer(model, cfg.trainer.optim, device, dist.group.WORLD, meshes, cfg.trainer.attention,
-                      cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef)
+                      cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef,
+                      compute_dtype(cfg.model, device))
     checkpointer = ckpt.TrainerCheckpointer(trainer, meshes, ckpt_group, leader, cfg.checkpoint,
                                            ckpt.manifest_base(cfg, "sft", dims, world))
     cursor = 0  # index of the first example of step `start or 0`
@@ -112,7 +113,8 @@ def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device, start: 
         stats = trainer.sft_step(batches[dims.data_rank(rank)], count_loss_tokens(batches))
         row = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                "tokens/train": stats["train_tokens"], "time/train_s": stats["train_time_s"],
-               "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9)}
+               "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9),
+               **{k: v for k, v in stats.items() if k.startswith("moe/")}}
         if evaluator is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps):
             row["eval/reward"] = evaluator.run(model, leader)
         if leader:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 
-from meshrl.models.common.attention import make_document_attention
+from meshrl.models.common.attention import CausalAttention, make_document_attention
 from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.parallel.dims import TrainerMeshes
 from meshrl.parallel.parallelize import clip_grad_norm_
@@ -36,22 +36,36 @@ _STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", 
               "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
 
 
+def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """"auto": torch's varlen flash kernel on GPU in bf16/fp16 (packed rows, no compile), else
+    FlexAttention on GPU, else SDPA with a document mask (CPU)."""
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "sdpa"
+    from meshrl.models.common.attention import _torch_varlen_attn
+
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    return "varlen" if half and _torch_varlen_attn() is not None else "flex"
+
+
 class Trainer:
     """Optimizer, schedule and the step functions around an (already parallelized) model.
 
     `meshes` carries the cp group (None: no context parallelism); `attention` names the
-    packed-row attention kernel ("auto": flex on GPU, sdpa on CPU).
+    packed-row attention kernel (see `resolve_attention` for "auto").
     """
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, device: torch.device,
                  group: dist.ProcessGroup | None, meshes: TrainerMeshes | None = None, attention: str = "auto",
-                 logprob_chunk_tokens: int = 4096, moe_aux_loss_coef: float = 0.0):
+                 logprob_chunk_tokens: int = 4096, moe_aux_loss_coef: float = 0.0,
+                 compute_dtype: torch.dtype = torch.float32):
         self.model = model
         self.cfg = cfg
         self.device = device
         self.group = group
         self.meshes = meshes
-        self.attention = ("flex" if device.type == "cuda" else "sdpa") if attention == "auto" else attention
+        self.attention = resolve_attention(attention, device, compute_dtype)
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.moe_aux_loss_coef = moe_aux_loss_coef
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
@@ -85,8 +99,13 @@ class Trainer:
 
     def _forward(self, mb: TensorDict, temperature: float) -> tuple[TensorDict, torch.Tensor, torch.Tensor]:
         """This rank's piece of one packed row, with its target logprobs (1, T') and entropies (1, T')."""
+        # A row that is one document needs no document mask: plain causal SDPA then picks the
+        # fastest fused kernel (cuDNN / flash), which beats the varlen and flex kernels.
+        single_document = self.cp == 1 and int(mb["doc_ids"].max()) == 0
         mb = mb.to(self.device)
-        if self.cp > 1:
+        if single_document:
+            attn = CausalAttention()
+        elif self.cp > 1:
             from meshrl.parallel.context_parallel import ContextParallelAttention, cp_split, pad_for_cp
 
             full = pad_for_cp(mb, self.cp)
