@@ -412,7 +412,8 @@ class Controller:
                    "time/train_s": trainer["train_time_s"],
                    "time/weight_sync_s": meta["weight_sync_s"],
                    "weights/version": meta["version"],
-                   "train/nonfinite_steps": trainer.get("nonfinite_steps", 0)}
+                   "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),
+                   **{k: v for k, v in trainer.items() if k.startswith("moe/")}}  # MoE load balance
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
             self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/eval.py)
         del self.steps[step]
