@@ -21,7 +21,7 @@ from meshrl.runtime.controller import FINISH_CODES, HEARTBEAT_S
 from meshrl.runtime.engine import Completion, NativeEngine, Request, SamplingParams
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.policy import build_policy, compute_dtype
-from meshrl.runtime.rundir import log
+from meshrl.runtime.rundir import Heartbeat, log
 from meshrl.runtime.transport import Message
 from meshrl.runtime.vllm_engine import build_vllm_engine
 
@@ -69,6 +69,7 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
     inbox = transport.Inbox(last_kinds=("stop",))
     inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
     src = layout.roles.trainers[0]
+    beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
     _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
     if start_version:
         engine.set_version(start_version)
@@ -79,6 +80,7 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
         if engine.has_work():
             messages = inbox.drain()
         else:
+            beat.set(f"idle with weights v{engine.version}, waiting for the controller")
             msg = inbox.get(timeout=HEARTBEAT_S)
             if msg is None:
                 log.info("heartbeat: idle, version %d, %d tokens generated so far", engine.version, generated)
@@ -89,16 +91,19 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
                 for request in decode_requests(msg):
                     engine.add(request)
             elif msg.kind == "load_weights":
+                beat.set(f"receiving weights v{msg.meta['version']}")
                 start = time.perf_counter()
                 _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
                 engine.set_version(msg.meta["version"])
                 log.info("loaded weights v%d in %.3fs", engine.version, time.perf_counter() - start)
             elif msg.kind == "stop":
+                beat.close()
                 _stop(engine, controller, up)
                 return
             else:
                 raise RuntimeError(f"inference rank got an unexpected message {msg.kind!r}")
         if engine.has_work():
+            beat.set(f"engine step with weights v{engine.version}")
             done = engine.step()
             if done:
                 generated += sum(len(c.token_ids) for c in done)

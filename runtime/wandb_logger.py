@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.runtime.config import WandbConfig
-from meshrl.runtime.rundir import log
+from meshrl.runtime.rundir import log, restart_count
 
 ID_FILE = "wandb_run_id"
 
@@ -55,6 +55,7 @@ class WandbLogger:
             raise ModuleNotFoundError("wandb.enabled needs the wandb package: pip install 'meshrl[wandb]'",
                                       name="wandb") from None
         id_file = run_dir / ID_FILE
+        resuming = resuming or restart_count() > 0  # a restart that found no checkpoint continues the W&B run too
         if resuming and id_file.is_file():
             run_id = id_file.read_text().strip()
         else:

@@ -159,3 +159,16 @@ def test_resume_on_fewer_trainer_ranks_over_a_corrupt_checkpoint(config, tmp_pat
 
     pngs = plot_run(run)
     assert pngs and all(p.suffix == ".png" and p.stat().st_size > 1000 for p in pngs)
+
+
+@pytest.mark.gpu
+def test_gpu_run_resumes_with_weights_synced_from_the_checkpoint(config, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (trainer + engine)")
+    run = tmp_path / "gpu"
+    meshrl("rl", "@", config, "--max-steps", "4", "--checkpoint.every", "2", "--output-dir", str(run))
+    meshrl("rl", "@", config, "--max-steps", "6", "--checkpoint.every", "2", "--output-dir", str(run), "--resume")
+    got = rows(run)
+    assert [r["step"] for r in got] == list(range(6))
+    # the engine generated step 4 with the restored weights of version 4 (bf16, so not 0)
+    assert got[4]["policy_lag/max"] == 0 and got[4]["mismatch_kl"] < 1e-2

@@ -371,3 +371,82 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     w.close()
     run_id = (tmp_path / "wandb_run_id").read_text().strip()
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _cuda_entry(rank, world, port, fn, args, errq):
+    import os
+    import traceback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+        fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errq.put((rank, traceback.format_exc()))
+        raise
+
+
+def _run_cuda_ranks(fn, world, *args):
+    import torch.multiprocessing as mp
+
+    from tests.dist.multirank import free_port
+
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_cuda_entry, args=(r, world, port, fn, args, errq)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(f"rank {r}:\n{tb}" for r, tb in errors)
+
+
+def _cuda_job(rank, world, mode, root):
+    from meshrl.parallel import parallelize
+    from meshrl.parallel.dims import ParallelDims, build_meshes
+
+    root, device = Path(root), torch.device("cuda", rank)
+    dims = ParallelDims.resolve(world)
+    meshes = build_meshes(dims, list(range(world)), rank, "cuda")
+    model = parallelize(make_model().to(device), meshes, torch.bfloat16)
+    trainer = Trainer(model, OPTIM, device, dist.group.WORLD, meshes)
+    group = dist.new_group(backend="gloo")
+    saver = ckpt.TrainerCheckpointer(trainer, meshes, group, rank == 0, CheckpointConfig(),
+                                     {"kind": "rl", "layout": ckpt.layout_info(dims, world)})
+    if mode == "save":
+        batches = pack(make_samples(), SEQ_LEN, dims.num_data_ranks)
+        trainer.rl_step(batches[dims.data_rank(rank)], count_loss_tokens(batches), LOSS, temperature=0.7)
+        if rank == 0:
+            ckpt.begin(root, 1, {})
+        dist.barrier()
+        saver.save(1, root / "step_1.tmp")
+        saver.close()
+    else:
+        saver.load(*ckpt.find_checkpoint(root)[1:])
+    full = {k: v.cpu() for k, v in _full_state(trainer, meshes).items()}
+    if rank == 0:
+        torch.save(full, root / f"{mode}.pt")
+
+
+@pytest.mark.gpu
+def test_cuda_trainer_state_saves_asynchronously_and_reshards(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    world = min(2, torch.cuda.device_count())
+    _run_cuda_ranks(_cuda_job, world, "save", str(tmp_path))
+    _run_cuda_ranks(_cuda_job, 1, "load", str(tmp_path))
+    saved, loaded = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "load.pt")
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
