@@ -247,6 +247,8 @@ def decide_resume(cfg, kind: str) -> int | None:
     if dist.get_rank() == 0:
         value = check_resume(cfg, kind)
         clean_partial(checkpoints_dir(cfg.output_dir))
+        if value is not None:
+            supersede_later(checkpoints_dir(cfg.output_dir), value)
     return agree(value)
 
 
@@ -277,6 +279,21 @@ def clean_partial(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def supersede_later(root: Path, step: int) -> list[int]:
+    """Rename checkpoints past `step` (a resume from an earlier one: another timeline) to
+    step_M.superseded, so that a restart never jumps back to them; `prune` deletes them later."""
+    later = [s for s in list_steps(root) if s > step]
+    for s in later:
+        target = root / f"step_{s}.superseded"
+        if target.exists():
+            shutil.rmtree(target)
+        step_path(root, s).rename(target)
+    if later:
+        log.warning("resuming from step_%d: the later checkpoints %s belong to the abandoned continuation; renamed "
+                    "to step_M.superseded (deleted with the next complete checkpoint)", step, later)
+    return later
+
+
 def begin(root: Path, step: int, files: dict[str, Any]) -> Path:
     """Create `step_N.tmp/` (replacing any leftover) with the given JSON files; returns its path."""
     tmp = root / f"step_{step}.tmp"
@@ -302,12 +319,14 @@ def finalize(tmp: Path, manifest: dict[str, Any]) -> Path:
 
 def prune(root: Path, keep_last: int, keep_every: int) -> list[int]:
     """Delete all but the newest `keep_last` checkpoints and those whose step is a multiple of
-    `keep_every`; returns the deleted steps."""
+    `keep_every`, and superseded ones; returns the deleted steps."""
     steps = list_steps(root)
     keep = set(steps[-keep_last:]) | {s for s in steps if keep_every and s % keep_every == 0}
     deleted = [s for s in steps if s not in keep]
     for s in deleted:
         shutil.rmtree(step_path(root, s), ignore_errors=True)
+    for p in root.glob("step_*.superseded"):
+        shutil.rmtree(p, ignore_errors=True)
     return deleted
 
 

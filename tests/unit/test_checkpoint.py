@@ -222,6 +222,11 @@ def test_prune_keeps_the_last_k_and_every_mth(tmp_path):
         (tmp_path / f"step_{s}").mkdir()
     assert ckpt.prune(tmp_path, keep_last=2, keep_every=4) == [1, 2, 3, 5, 6, 7]
     assert ckpt.list_steps(tmp_path) == [4, 8, 9, 10]
+    # resuming from step_8 abandons step_9 and step_10: a restart must not jump back to them
+    assert ckpt.supersede_later(tmp_path, 8) == [9, 10]
+    assert ckpt.list_steps(tmp_path) == [4, 8] and (tmp_path / "step_10.superseded").is_dir()
+    ckpt.prune(tmp_path, keep_last=2, keep_every=0)
+    assert not list(tmp_path.glob("*.superseded"))
 
 
 def test_metadata_is_loaded_without_arbitrary_pickle(tmp_path):
