@@ -127,6 +127,9 @@ class Episode(Protocol):
         """The finished episode's reward."""
         ...
 
+    # Optional: close() is called, from the runtime's thread and without waiting, when the episode
+    # fails (an error or a timeout elsewhere), so an episode that owns a process can stop it.
+
 
 class EpisodeEnvironment(Protocol):
     """A seeded, indexable, multi-turn task: ``episode`` starts one rollout of an example."""

@@ -618,6 +618,11 @@ class RLConfig(Base):
     _env_name = model_validator(mode="before")(_default_env_name)
 
     @model_validator(mode="after")
+    def _eval_fits(self) -> "RLConfig":
+        check_eval_fits(self.eval, self.inference)
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> "RLConfig":
         check_parallel(self.trainer.parallel, self.layout.num_trainer_ranks)
         if self.inference.backend == "vllm" and self.dist.device == "cpu":
@@ -707,7 +712,15 @@ class EvalConfig(Base):
     def _native(self) -> "EvalConfig":
         if self.inference.backend != "native":
             raise ValueError('meshrl eval runs the native engine: inference.backend must be "native"')
+        check_eval_fits(self.eval, self.inference)
         return self
+
+
+def check_eval_fits(settings: EvalSettings, inference: InferenceConfig) -> None:
+    """ValueError unless an evaluation turn's max_tokens leaves room for a prompt in max_model_len."""
+    if settings.max_tokens is not None and settings.max_tokens >= inference.max_model_len:
+        raise ValueError(f"eval.max_tokens ({settings.max_tokens}) must be smaller than inference.max_model_len "
+                         f"({inference.max_model_len})")
 
 
 def check_parallel(p: ParallelConfig, num_ranks: int) -> None:

@@ -34,6 +34,7 @@ error text; the owner counts them and leaves them out of training.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 import traceback
@@ -114,8 +115,6 @@ class _Workers:
     """A small thread pool whose calls have deadlines; answers are posted as EnvEvents."""
 
     def __init__(self, num_workers: int, post: Callable[[EnvEvent], None], name: str):
-        import queue
-
         self.post, self.num_workers, self.name = post, num_workers, name
         self.jobs: queue.Queue[_Job] = queue.Queue()
         self.lock = threading.Lock()
@@ -198,10 +197,11 @@ class EpisodeDriver:
         if key in self.live:
             raise ValueError(f"episode {key!r} is already live")
         env_key = example.env or getattr(env, "name", "env")
-        self.live[key] = _Live(EpisodeResult(key, example, env_key, prompt_ids=[]), env, max_tokens or self.max_tokens)
+        live = self.live[key] = _Live(EpisodeResult(key, example, env_key, prompt_ids=[]), env,
+                                      max_tokens or self.max_tokens)
 
         def begin() -> tuple[Episode, list[int]]:
-            episode = make_episode(env, example, self.tokenizer)
+            episode = live.episode = make_episode(env, example, self.tokenizer)  # closable if prompt_ids() hangs
             return episode, _token_list(episode.prompt_ids(), "prompt_ids()")
 
         self.workers.submit(key, "start", begin, self.timeout_s)
@@ -262,10 +262,6 @@ class EpisodeDriver:
             return None
         return Generate(event.key, prompt, min(live.max_tokens, room), r.turns, self.stop_token_ids)
 
-    def abandon(self, key: Any) -> None:
-        """Forget an episode (its later events are ignored)."""
-        self.live.pop(key, None)
-
     # ------------------------------------------------------------------ internals
 
     def _score(self, episode: Episode) -> Reward:
@@ -275,11 +271,14 @@ class EpisodeDriver:
         return _checked_reward(as_reward(episode.score()))
 
     def _finish(self, key: Any, failed: str = "") -> EpisodeResult:
-        r = self.live.pop(key).result
+        live = self.live.pop(key)
+        r = live.result
         if failed:
             r.failed, r.error, r.reward = True, failed, None
-            if r.finish_reason == "stop" and not r.turns:
+            if not r.turns:
                 r.finish_reason = "error"
+            if hasattr(live.episode, "close"):  # e.g. a harness episode stops its agent
+                live.episode.close()
         return r
 
 

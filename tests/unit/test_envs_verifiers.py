@@ -2,8 +2,10 @@
 single-turn path, and the harness path (a verifiers agent harness whose model calls are our
 turns), multi-turn with a shell tool."""
 
+import asyncio
 import json
 import queue
+import time
 
 import pytest
 
@@ -79,6 +81,18 @@ class FileTaskset(vf.Taskset[FileTask]):
     def load(self):
         for word in ("apple", "pear"):
             yield FileTask(FileData(prompt="copy secret.txt to answer.txt", answer=word))
+
+
+class StuckTask(FileTask):
+    async def setup(self, trace, runtime) -> None:
+        if self.data.answer == "stuck":
+            await asyncio.sleep(3600)
+
+
+class StuckTaskset(vf.Taskset[StuckTask]):
+    def load(self):
+        for word in ("stuck", "fine"):
+            yield StuckTask(FileData(prompt="copy secret.txt to answer.txt", answer=word))
 
 
 def play(env, replies_for, indices, timeout_s=120):
@@ -157,6 +171,17 @@ def test_harness_path_multi_turn_with_a_shell_tool():
     assert good.prompt_ids == first and good.token_ids[:len(second) - len(first)] == second[len(first):]
     assert good.mask == [True] * len(call_ids) + [False] * (len(second) - len(first) - len(call_ids)) + \
         [True] * (len(good.mask) - (len(second) - len(first)))
+
+
+def test_a_hanging_harness_rollout_times_out_and_is_stopped():
+    env = make_env("verifiers", taskset=f"{HERE}:StuckTaskset", harness="null")
+    results, _ = play(env, lambda i, turn, ids: "hello", [0, 1], timeout_s=4)
+    assert results[0].failed and results[0].error.startswith("timeout")
+    assert not results[1].failed and results[1].reward.total == 0.0
+    deadline = time.monotonic() + 30
+    while env._host.sessions and time.monotonic() < deadline:  # cancellation cleans up asynchronously
+        time.sleep(0.1)
+    assert not env._host.sessions  # the stuck rollout was cancelled and cleaned up
 
 
 def test_tool_call_parsing_and_plain_rendering():
