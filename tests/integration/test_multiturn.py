@@ -71,3 +71,23 @@ def test_rl_on_a_mix_with_multi_turn_and_a_failing_reward(tmp_path):
     assert len((run / "eval" / "step_3.jsonl").read_text().splitlines()) == 8
     sample = json.loads((run / "samples" / "step_0.jsonl").read_text().splitlines()[0])
     assert {"env", "components", "metrics", "completion", "reward"} <= sample.keys()
+
+
+@pytest.mark.gpu
+def test_eval_multi_turn_and_tools_on_cuda(tmp_path):
+    """The CUDA engine (paged cache, prefix cache, CUDA graphs) serves continuation turns."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "-m", "meshrl.runtime.cli", "eval", "--model.flavor", "tiny", "--model.tokenizer", "char",
+           "--env", '{envs=[{name="multiturn-sort", num_turns=4}, {name="wordle"}, {name="calculator"}]}',
+           "--eval.num-examples", "48", "--eval.samples-per-prompt", "4", "--eval.temperature", "1.0",
+           "--eval.pass-k", "[1, 4]", "--inference.max-model-len", "256", "--inference.sampling.max-tokens", "16",
+           "--dist.device", "cuda", "--output-dir", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["num_samples"] == 192 and summary["failed"] == 0
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert max(row["turns"] for row in rows if row["env"] == "multiturn-sort") > 1

@@ -223,3 +223,21 @@ def test_bridging_appends_only_new_tokens(end):
     episode.completion = [tok.eos_token_id]
     with pytest.raises(ValueError, match="changed earlier messages"):
         episode.bridge([{"role": "user", "content": "summary"}, *second[1:], {"role": "user", "content": "go"}], None)
+
+
+def test_taskset_by_installed_package_id(tmp_path, monkeypatch):
+    package = tmp_path / "meshrl_demo_taskset"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import verifiers.v1 as vf\n"
+        "__all__ = ['DemoTaskset']\n"
+        "class DemoConfig(vf.TasksetConfig):\n"
+        "    count: int = 2\n"
+        "class DemoTaskset(vf.Taskset[vf.Task, DemoConfig]):\n"
+        "    def load(self):\n"
+        "        for i in range(self.config.count):\n"
+        "            yield vf.Task(vf.TaskData(prompt=f'task {i}'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("verifiers", taskset="meshrl-demo-taskset", taskset_args={"count": 3})
+    assert env.name == "meshrl-demo-taskset" and [env.example(i).prompt for i in range(4)] == [
+        "task 0", "task 1", "task 2", "task 0"]
