@@ -55,7 +55,7 @@ from torch import nn
 
 from meshrl.models.hf import save_hf_model
 from meshrl.parallel import full_tensors
-from meshrl.runtime.rundir import log
+from meshrl.runtime.rundir import log, restart_count
 from meshrl.runtime.tokenizer import save_tokenizer
 
 FORMAT = 1
@@ -233,8 +233,6 @@ def resume_step(resume: Any, run_dir: Path, max_steps: int, kind: str, model: di
 def check_resume(cfg, kind: str) -> int | None:
     """`resume_step` for a run config (RLConfig or SFTConfig): a pre-flight check on the launcher,
     and the decision on rank 0 (`decide_resume`)."""
-    from meshrl.runtime.rundir import restart_count
-
     env = cfg.env.model_dump() if hasattr(cfg, "env") else None
     return resume_step(cfg.resume, Path(cfg.output_dir), cfg.max_steps, kind, cfg.model.model_dump(), env,
                        restart_count())
