@@ -89,9 +89,6 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
            f"--max-restarts={cfg.dist.max_restarts}", *(extra_torchrun or []), "-m", module, "@", str(config_path)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
-    # torchrun's agent otherwise shares one store across restarts, and the restarted ranks can read
-    # the previous attempt's addresses while creating the default group ("Connection refused")
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     code = subprocess.call(cmd, env=env)
     rows = restarts.read_text().splitlines()[before:] if restarts.is_file() else []
     num_restarts = sum(json.loads(r)["restart"] > 0 for r in rows)

@@ -96,9 +96,23 @@ def pick_device(cuda: bool) -> torch.device:
 
 
 def init_world(cuda: bool, timeout_s: float) -> tuple[int, int]:
-    """Start the default process group; returns (rank, world size)."""
+    """Start the default process group; returns (rank, world size).
+
+    After an elastic restart under torchrun's shared agent store, the previous attempt's group
+    keys are still in that store and the new workers would read stale peer addresses (gloo:
+    "connectFullMesh ... Connection refused"). Every attempt therefore gets its own key prefix.
+    """
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                    is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"meshrl/attempt-{attempt}", agent_store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

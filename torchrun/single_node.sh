@@ -46,9 +46,6 @@ if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
 MAX_RESTARTS=${MAX_RESTARTS:-0}
-# A fresh rendezvous store per restart: with the agent's shared store, restarted ranks can read
-# the previous attempt's addresses while creating the default process group.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 CORES=$(nproc 2>/dev/null || echo 1)
 THREADS=$(( CORES / NPROC ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
