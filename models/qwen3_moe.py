@@ -40,12 +40,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
+from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.ffn import FeedForward
 from meshrl.models.common.moe import MoE, GroupedExperts
+from meshrl.models.common.decoder import DecoderLM
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
 from meshrl.models.qwen3 import Attention
@@ -263,7 +263,7 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Qwen3Moe(nn.Module):
+class Qwen3Moe(DecoderLM):
     """Qwen3-MoE causal LM. Build on the meta device, then `to_empty()` + `init_weights()` or a load.
 
     Same contract as `Qwen3`: `forward(tokens, positions, attn, head)`, `hidden(...)`,
@@ -274,34 +274,9 @@ class Qwen3Moe(nn.Module):
     """
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
+        super().__init__(args.vocab_size, args.dim, args.norm_eps, args.tie_embeddings, RotaryEmbedding(args.head_dim, args.rope_theta),
+                         [TransformerBlock(args, i) for i in range(args.n_layers)])
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> Tensor:
-        """The LM head matrix (V, dim): `tok_embeddings.weight` when embeddings are tied."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
-
-    def hidden(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None) -> Tensor:
-        """tokens, positions (B, T) int64 -> final-normed hidden states (B, T, dim)."""
-        assert tokens.shape == positions.shape, f"tokens {tuple(tokens.shape)} vs positions {tuple(positions.shape)}"
-        attn = CausalAttention() if attn is None else attn
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos, sin = self.rope(positions, dtype=h.dtype)  # (B, T, head_dim)
-        for block in self.layers.values():
-            h = block(h, cos, sin, attn)
-        return self.norm(h)
-
-    def forward(self, tokens: Tensor, positions: Tensor, attn: AttentionContext | None = None,
-                head: OutputHead | None = None) -> Any:
-        """tokens, positions (B, T) int64 -> logits (B, T, vocab_size), or `head(hidden, output_weight)`."""
-        h = self.hidden(tokens, positions, attn)
-        return F.linear(h, self.output_weight) if head is None else head(h, self.output_weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
