@@ -79,34 +79,7 @@ class Qwen3Args:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> Qwen3Args:
         """Read an HF Qwen3 `config.json` dict; features this file does not implement raise ValueError."""
-        if config.get("model_type") != MODEL_TYPE:
-            raise ValueError(f"expected model_type {MODEL_TYPE!r}, got {config.get('model_type')!r}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Qwen3 hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-        if config.get("attention_bias", False):
-            raise ValueError("Qwen3 with attention_bias=true is not supported")
-        if config.get("use_sliding_window", False):
-            raise ValueError("Qwen3 with use_sliding_window=true is not supported")
-        # transformers >= 5 nests the theta in rope_parameters; 4.x keeps rope_theta + rope_scaling.
-        rope = config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" or config.get("rope_scaling"):
-            raise ValueError(f"only default RoPE is supported, got rope_parameters={rope!r} "
-                             f"rope_scaling={config.get('rope_scaling')!r}")
-        n_heads = config["num_attention_heads"]
-        return cls(
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
-            hidden_dim=config["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            max_seq_len=config.get("max_position_embeddings", 40960),
-        )
+        return cls(**qwen3_fields_from_hf(config, MODEL_TYPE, "Qwen3"))
 
     def to_hf_config(
         self,
@@ -146,6 +119,39 @@ class Qwen3Args:
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }
+
+
+def qwen3_fields_from_hf(config: dict[str, Any], model_type: str, label: str) -> dict[str, Any]:
+    """The attention/embedding/norm fields shared by Qwen3 and Qwen3-MoE, read from an HF
+    `config.json` dict; features neither file implements raise ValueError naming `label`."""
+    if config.get("model_type") != model_type:
+        raise ValueError(f"expected model_type {model_type!r}, got {config.get('model_type')!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{label} hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    if config.get("attention_bias", False):
+        raise ValueError(f"{label} with attention_bias=true is not supported")
+    if config.get("use_sliding_window", False):
+        raise ValueError(f"{label} with use_sliding_window=true is not supported")
+    # transformers >= 5 nests the theta in rope_parameters; 4.x keeps rope_theta + rope_scaling.
+    rope = config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" or config.get("rope_scaling"):
+        raise ValueError(f"only default RoPE is supported, got rope_parameters={rope!r} "
+                         f"rope_scaling={config.get('rope_scaling')!r}")
+    n_heads = config["num_attention_heads"]
+    return dict(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        hidden_dim=config["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        max_seq_len=config.get("max_position_embeddings", 40960),
+    )
 
 
 _QWEN3 = Qwen3Args(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, norm_eps=1e-6, max_seq_len=40960)

@@ -48,7 +48,7 @@ from meshrl.models.common.moe import MoE, GroupedExperts
 from meshrl.models.common.decoder import DecoderLM
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
-from meshrl.models.qwen3 import Attention
+from meshrl.models.qwen3 import Attention, qwen3_fields_from_hf
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -109,35 +109,16 @@ class Qwen3MoeArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> Qwen3MoeArgs:
         """Read an HF Qwen3-MoE `config.json` dict; features this file does not implement raise ValueError."""
-        if config.get("model_type") != MODEL_TYPE:
-            raise ValueError(f"expected model_type {MODEL_TYPE!r}, got {config.get('model_type')!r}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Qwen3-MoE hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-        if config.get("attention_bias", False):
-            raise ValueError("Qwen3-MoE with attention_bias=true is not supported")
-        if config.get("use_sliding_window", False):
-            raise ValueError("Qwen3-MoE with use_sliding_window=true is not supported")
+        dense = qwen3_fields_from_hf(config, MODEL_TYPE, "Qwen3-MoE")  # checks model_type first
         if config.get("shared_expert_intermediate_size"):
             raise ValueError("Qwen3-MoE with a shared expert (shared_expert_intermediate_size) is not supported")
-        rope = config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" or config.get("rope_scaling"):
-            raise ValueError(f"only default RoPE is supported, got rope_parameters={rope!r} "
-                             f"rope_scaling={config.get('rope_scaling')!r}")
-        n_heads = config["num_attention_heads"]
         # transformers 5 writes the expert count as num_local_experts (its attribute_map), the hub
         # checkpoints and 4.x as num_experts.
         num_experts = config.get("num_experts", config.get("num_local_experts"))
         if num_experts is None:
             raise ValueError("Qwen3-MoE config has neither num_experts nor num_local_experts")
         return cls(
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
-            hidden_dim=config["intermediate_size"],
+            **dense,
             moe_hidden_dim=config["moe_intermediate_size"],
             num_experts=num_experts,
             top_k=config["num_experts_per_tok"],
@@ -145,10 +126,6 @@ class Qwen3MoeArgs:
             decoder_sparse_step=config.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
             router_aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            max_seq_len=config.get("max_position_embeddings", 40960),
         )
 
     def to_hf_config(

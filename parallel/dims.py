@@ -167,14 +167,13 @@ def build_meshes(dims: ParallelDims, trainer_ranks: list[int], rank: int, device
     assert len(trainer_ranks) == dims.num_ranks, (trainer_ranks, dims)
     make = _GroupMaker(rank, timeout)
     grid = _grid(dims, trainer_ranks)  # (R, S/ep, ep) where S = dp_shard * cp
-    rep_grid = grid.flatten(1)  # (R, S)
-    cp_grid = torch.tensor(trainer_ranks).view(dims.dp_replicate, dims.dp_shard, dims.cp)
-    shard_group = make.mine(_groups_along(rep_grid, (1,)))
-    rep_group = make.mine(_groups_along(rep_grid, (0,))) if dims.dp_replicate > 1 else None
-    cp_group = make.mine(_groups_along(cp_grid, (2,))) if dims.cp > 1 else None
-    ep_group = make.mine(_groups_along(grid, (2,))) if dims.ep > 1 else None
-    mod_group = make.mine(_groups_along(grid, (1,))) if dims.ep > 1 else None
-    rep_e_group = make.mine(_groups_along(grid, (0,))) if dims.ep > 1 and dims.dp_replicate > 1 else None
+    lists = all_rank_lists(dims, trainer_ranks)
+    shard_group = make.mine(lists["dp_shard_cp"])
+    # the replicate groups of dense and expert shards are the same rank lists (created once)
+    rep_group = make.mine(lists["dp_replicate"]) if dims.dp_replicate > 1 else None
+    cp_group = make.mine(lists["cp"]) if dims.cp > 1 else None
+    ep_group = make.mine(lists["ep"]) if dims.ep > 1 else None
+    mod_group = make.mine(lists["dp_shard_mod_ep"]) if dims.ep > 1 else None
     if rank not in trainer_ranks:
         return None
 
@@ -182,18 +181,19 @@ def build_meshes(dims: ParallelDims, trainer_ranks: list[int], rank: int, device
     if rep_group is None:
         fsdp = DeviceMesh.from_group(shard_group, device_type, mesh_dim_names=("dp_shard_cp",))
     else:
-        fsdp = DeviceMesh.from_group([rep_group, shard_group], device_type, mesh=rep_grid,
+        fsdp = DeviceMesh.from_group([rep_group, shard_group], device_type, mesh=grid.flatten(1),
                                      mesh_dim_names=("dp_replicate", "dp_shard_cp"))
     ep_mesh = expert_fsdp = None
     if ep_group is not None:
         ep_mesh = DeviceMesh.from_group(ep_group, device_type, mesh_dim_names=("ep",))
-        if rep_e_group is None:
+        if rep_group is None:
             expert_fsdp = DeviceMesh.from_group(mod_group, device_type, mesh_dim_names=("dp_shard_mod_ep",))
         else:
             plane = grid[:, :, index % dims.ep]  # (R, S/ep): the ranks holding the same experts
-            expert_fsdp = DeviceMesh.from_group([rep_e_group, mod_group], device_type, mesh=plane,
+            expert_fsdp = DeviceMesh.from_group([rep_group, mod_group], device_type, mesh=plane,
                                                 mesh_dim_names=("dp_replicate", "dp_shard_mod_ep"))
-    return TrainerMeshes(dims=dims, index=index, fsdp=fsdp, shard_group=shard_group, cp_group=cp_group, ep=ep_mesh, expert_fsdp=expert_fsdp)
+    return TrainerMeshes(dims=dims, index=index, fsdp=fsdp, shard_group=shard_group, cp_group=cp_group, ep=ep_mesh,
+                        expert_fsdp=expert_fsdp)
 
 
 def all_rank_lists(dims: ParallelDims, trainer_ranks: list[int]) -> dict[str, list[list[int]]]:

@@ -381,42 +381,6 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 
 
-def _cuda_entry(rank, world, port, fn, args, errq):
-    import os
-    import traceback
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
-        fn(rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        errq.put((rank, traceback.format_exc()))
-        raise
-
-
-def _run_cuda_ranks(fn, world, *args):
-    import torch.multiprocessing as mp
-
-    from tests.dist.multirank import free_port
-
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_cuda_entry, args=(r, world, port, fn, args, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(f"rank {r}:\n{tb}" for r, tb in errors)
-
-
 def _cuda_job(rank, world, mode, root):
     from meshrl.parallel import parallelize
     from meshrl.parallel.dims import ParallelDims, build_meshes
@@ -449,8 +413,8 @@ def test_cuda_trainer_state_saves_asynchronously_and_reshards(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     world = min(2, torch.cuda.device_count())
-    _run_cuda_ranks(_cuda_job, world, "save", str(tmp_path))
-    _run_cuda_ranks(_cuda_job, 1, "load", str(tmp_path))
+    run_ranks(_cuda_job, world, "save", str(tmp_path), backend="cpu:gloo,cuda:nccl")
+    run_ranks(_cuda_job, 1, "load", str(tmp_path), backend="cpu:gloo,cuda:nccl")
     saved, loaded = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "load.pt")
     assert saved.keys() == loaded.keys()
     for k in saved:
