@@ -105,9 +105,20 @@ def _mix32(x: Tensor) -> Tensor:
 
 def hash_uniform(seeds: Tensor, counters: Tensor) -> Tensor:
     """seeds (B,) int64 >= 0, counters (B,) int64 -> (B,) float64 uniform in [0, 1), 48 random bits."""
+    return _uniform_from_keys(seed_keys(seeds), counters)
+
+
+def seed_keys(seeds: Tensor) -> Tensor:
+    """seeds (B,) int64 -> (3, B) int64: the parts of hash_uniform that depend on the seed alone
+    (computed once per batch instead of at every token)."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    return torch.stack([lo, hi, _mix32(lo + 0x9E3779B9 & _M32)])
+
+
+def _uniform_from_keys(keys: Tensor, counters: Tensor) -> Tensor:
+    lo, hi, lo_mixed = keys
     a = _mix32(lo ^ _mix32(hi ^ _mix32(counters & _M32)))
-    b = _mix32(a ^ _mix32(lo + 0x9E3779B9 & _M32))
+    b = _mix32(a ^ lo_mixed)
     return (a * 65536 + (b >> 16)).double() / 2.0**48
 
 
@@ -118,9 +129,11 @@ def hash_uniform(seeds: Tensor, counters: Tensor) -> Tensor:
 class SamplingBatch:
     """Per-row sampling parameters on the device, plus what the host knows about them.
 
-    temperature, top_p, min_p (B,) fp32; top_k, seeds (B,) int64. max_top_k / use_top_p /
-    use_min_p / all_greedy let the sampler skip the work no row asks for (e.g. the vocabulary
-    sort of top_p).
+    temperature, top_p, min_p (B,) fp32; top_k, seeds (B,) int64. divisor (B,) fp32: the
+    temperature, 1 on greedy rows; greedy (B,) bool; seed_keys (3, B) int64 (see `seed_keys`).
+    max_top_k / use_top_p / use_min_p / all_greedy / any_greedy / unit_temperature let the
+    sampler skip the work no row asks for (e.g. the vocabulary sort of top_p, the division by
+    a temperature of 1).
     """
 
     temperature: Tensor
@@ -132,19 +145,39 @@ class SamplingBatch:
     use_top_p: bool
     use_min_p: bool
     all_greedy: bool
+    divisor: Tensor
+    greedy: Tensor
+    seed_keys: Tensor
+    any_greedy: bool
+    unit_temperature: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> SamplingBatch:
+    def build(cls, params: list[SamplingParams | None], seeds: list[int], device: torch.device) -> SamplingBatch:
+        """params[i] None marks a pad row: sampled greedily, its token is thrown away, so it turns
+        on no work (a greedy pad must not make a batch of sampled rows compute the argmax)."""
+        pad = SamplingParams(temperature=0.0)
+        rows = [p or pad for p in params]
+        real = [p for p in params if p is not None]
+        temperature = torch.tensor([p.temperature for p in rows], dtype=torch.float32)
+        greedy = temperature == 0  # in fp32: a temperature that rounds to 0 is greedy too
+        divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
+        is_real = torch.tensor([p is not None for p in params], dtype=torch.bool)
+        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=device)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            max_top_k=max((p.top_k for p in params if p.temperature > 0), default=0),
-            use_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
-            use_min_p=any(p.min_p > 0.0 and p.temperature > 0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params),
+            temperature=temperature.to(device),
+            top_p=torch.tensor([p.top_p for p in rows], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in rows], dtype=torch.int64, device=device),
+            min_p=torch.tensor([p.min_p for p in rows], dtype=torch.float32, device=device),
+            seeds=seeds_t,
+            max_top_k=max((p.top_k for p in real if p.temperature > 0), default=0),
+            use_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in real),
+            use_min_p=any(p.min_p > 0.0 and p.temperature > 0 for p in real),
+            all_greedy=all(p.temperature == 0 for p in real),
+            divisor=divisor.to(device),
+            greedy=greedy.to(device),
+            seed_keys=seed_keys(seeds_t),
+            any_greedy=bool((greedy & is_real).any()),
+            unit_temperature=bool((divisor == 1).all()),
         )
 
 
@@ -173,18 +206,16 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tens
     """Sample one token per row. logits (B, V) any float dtype; counters (B,) int64 (the index of
     the token in its completion) -> (tokens (B,) int64, logprobs (B,) fp32)."""
     logits = logits.float()
-    greedy = batch.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    scaled = logits / temperature[:, None]  # (B, V)
+    # x / 1 is exactly x: skip a pass over (B, V) when no row has another temperature.
+    scaled = logits if batch.unit_temperature else logits / batch.divisor[:, None]  # (B, V)
     logp = torch.log_softmax(scaled, dim=-1)
-    argmax = logits.argmax(dim=-1)
     if batch.all_greedy:
-        tokens = argmax
+        tokens = logits.argmax(dim=-1)
     else:
         probs = truncate(logp.exp(), scaled, batch)
         cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so 150k-token sums keep 48-bit draws meaningful
-        target = hash_uniform(batch.seeds, counters) * cdf[:, -1]
+        target = _uniform_from_keys(batch.seed_keys, counters) * cdf[:, -1]
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
         drawn = drawn.clamp(max=logits.shape[1] - 1)
-        tokens = torch.where(greedy, argmax, drawn)
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), drawn) if batch.any_greedy else drawn
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
