@@ -2,7 +2,7 @@
 
     meshrl bench engine [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
                         [--device cuda|cpu] [--no-hf] [--block-size 16] [--attention auto|torch|triton]
-                        [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0]
+                        [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0] [--profile TRACE]
 
 A model of the flavor (Qwen3 family by default) with random weights; `num_seqs` random prompts
 of `prompt_tokens` tokens, all submitted at once, each sampled (temperature 1, no truncation, no
@@ -12,10 +12,17 @@ CUDA graphs first. Prints one JSON line:
 
 - tokens_per_s: generated tokens / wall time from submission to the last completion;
 - time_to_first_token_s: mean over sequences of the time from submission to their first token;
+- decode_step_ms: mean wall time of the steps after every sequence has its first token (pure
+  decode steps of the whole batch: what the memory-bandwidth floor of a decode step compares to);
 - peak_memory_gib: CUDA: peak allocated memory of the engine run (weights + KV cache + activations);
   CPU: the process's peak resident memory;
 - hf_tokens_per_s, speedup_vs_hf (unless --no-hf): transformers `generate` on the same weights
   (saved through models/hf.py), same dtype, same batch and lengths, sampling, EOS off.
+
+With --profile TRACE, a further run of the same shape is profiled (torch.profiler, host and
+device) over 20 of its pure decode steps: the top operators by self device time (CUDA) or self
+host time (CPU) go to stderr, the timeline to the Chrome trace TRACE (gaps between device
+kernels there are host time the device waited for).
 
 Defaults: the 0.6B flavor in bf16 on CUDA, the demo's tiny flavor in fp32 on CPU. Nothing is
 asserted here; docs/benchmarks.md records runs.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import tempfile
 import time
 
@@ -58,23 +66,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(engine: NativeEngine, prompts: list[list[int]], gen_tokens: int, seed: int) -> dict:
-    """Submit every prompt at once and step to the end -> wall_s, tokens, mean time to first token."""
-    _sync(engine.device)
-    start = time.perf_counter()
+def _submit(engine: NativeEngine, prompts: list[list[int]], gen_tokens: int, seed: int) -> None:
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(temperature=1.0, max_tokens=gen_tokens, seed=seed * 1_000_003 + i)
         engine.add(Request(i, prompt, sampling))
-    first_tokens = engine.num_first_tokens
-    ttft_sum, tokens = 0.0, 0
+
+
+def run_engine(engine: NativeEngine, prompts: list[list[int]], gen_tokens: int, seed: int) -> dict:
+    """Submit every prompt at once and step to the end -> wall_s, tokens, mean time to first
+    token, mean wall time of a pure decode step."""
+    _sync(engine.device)
+    start = time.perf_counter()
+    _submit(engine, prompts, gen_tokens, seed)
+    first_tokens = start_tokens = engine.num_first_tokens
+    ttft_sum, tokens, decode_s, decode_steps = 0.0, 0, 0.0, 0
+    now = 0.0
     while engine.has_work():
+        all_started = first_tokens - start_tokens == len(prompts)
         for completion in engine.step():
             tokens += len(completion.token_ids)
-        now = time.perf_counter() - start
+        step_s = time.perf_counter() - start - now
+        now += step_s
+        if all_started:
+            decode_s += step_s
+            decode_steps += 1
         ttft_sum += (engine.num_first_tokens - first_tokens) * now
         first_tokens = engine.num_first_tokens
     _sync(engine.device)
-    return {"wall_s": time.perf_counter() - start, "tokens": tokens, "ttft_s": ttft_sum / len(prompts)}
+    return {"wall_s": time.perf_counter() - start, "tokens": tokens, "ttft_s": ttft_sum / len(prompts),
+            "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1)}
+
+
+def profile_engine(engine: NativeEngine, prompts: list[list[int]], gen_tokens: int, seed: int, trace: str,
+                   num_steps: int = 20) -> None:
+    """Run the workload again, profiling num_steps pure decode steps; table to stderr, trace to file."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    start_tokens = engine.num_first_tokens
+    _submit(engine, prompts, gen_tokens, seed)
+    while engine.has_work() and engine.num_first_tokens - start_tokens < len(prompts):
+        engine.step()
+    for _ in range(2):  # past the step where the last prompts joined the decode batch
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            if engine.has_work():
+                engine.step()
+        _sync(engine.device)
+    while engine.has_work():
+        engine.step()
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=30), file=sys.stderr, flush=True)
+    prof.export_chrome_trace(trace)
 
 
 def run_hf(model, args, prompts: list[list[int]], gen_tokens: int, device: torch.device, dtype: torch.dtype) -> float:
@@ -116,6 +161,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", metavar="TRACE", default=None,
+                        help="profile 20 decode steps of a further run: top ops to stderr, Chrome trace to TRACE")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -149,9 +196,13 @@ def main(argv: list[str]) -> None:
         "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
         "tokens_per_s": stats["tokens"] / stats["wall_s"],
         "time_to_first_token_s": stats["ttft_s"],
+        "decode_step_ms": stats["decode_step_ms"],
         "peak_memory_gib": peak,
         "wall_s": stats["wall_s"],
     }
+    if opts.profile:
+        profile_engine(engine, random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed + 2),
+                       opts.gen_tokens, opts.seed + 2, opts.profile)
     if not opts.no_hf:
         del engine
         if device.type == "cuda":

@@ -18,6 +18,13 @@ One scheduler iteration (`NativeEngine.step`):
 
 Decode runs every step and prefill gets a token budget per step, so neither starves the other.
 
+Host work of a decode step is one Python pass over the decode set (append the sampled token,
+check the stop rules, store the row's next token / position / slot / counter in host arrays),
+one host-to-device copy (those arrays and any block-table edits) and one device-to-host copy
+(tokens and logprobs together). Only sequences that just started decoding or whose next token
+starts a block are looked at for blocks; the decoding and prefilling lists, and the decode
+sampling batch, are rebuilt only when a row changes hands or a prefill ran.
+
 Sequences. A sequence is (request, sample index): `tokens` (prompt + generated), `num_computed`
 of them with k/v in the cache, a block table, and a *row*: its index in the persistent decode
 buffers (token, position, slot, block table, context length), which on CUDA the graphs read.
@@ -136,7 +143,7 @@ class InferenceEngine(Protocol):
         ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Sequence:
     request: Request
     index: int
@@ -344,10 +351,11 @@ class NativeEngine:
         # prefilling; rebuilt only when a row is taken or freed or a prefill ran.
         self._decoding: list[_Sequence] = []
         self._prefilling: list[_Sequence] = []
+        self._decode_rows = 0  # rows [0, _decode_rows) hold every decoding sequence
         self._layout_stale = False
         # Decoding sequences to look at in the next _reserve_decode: new ones, and ones whose next
         # token starts a block. Every other one writes into a block it already owns alone.
-        self._check: dict[_Sequence, None] = {}
+        self._block_checks: dict[_Sequence, None] = {}
         self._layout_version = 0  # bumped at every rebuild: the decode sampling batch follows it
         self._sampling_key: tuple[int, int] | None = None
         self._sampling_batch: SamplingBatch | None = None
@@ -410,6 +418,28 @@ class NativeEngine:
             if decode:
                 finished += self._decode(decode, num_rows)
         return finished
+
+    def check(self) -> None:
+        """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
+        device block table against its sequence (for tests)."""
+        self.blocks.check()
+        bs, rows = self.block_size, self._rows
+        assert not rows.table_updates, "block-table edits left unsent"
+        tables = rows.tables.tolist()
+        for r in range(self.max_num_seqs):
+            seq = self._running.get(r)
+            inputs = (rows.token[r], rows.position[r], rows.slot[r], rows.count[r])
+            if seq is None or not seq.ready:
+                assert inputs == (0, 0, 0, 0), f"row {r} is not decoding but holds inputs {inputs}"
+                continue
+            p = seq.num_computed
+            assert len(seq.tokens) - p == 1 and seq.row == r
+            assert inputs[0:2] == (seq.tokens[p], p) and inputs[3] == len(seq.tokens) - seq.num_prompt
+            assert tables[r][:len(seq.table)] == seq.table, f"row {r}: device block table is stale"
+            if seq not in self._block_checks:  # else the next _reserve_decode gives it a block
+                block = seq.table[p // bs]
+                assert self.blocks.ref[block] == 1 and block not in self.blocks.info, "writes into a shared block"
+                assert inputs[2] == block * bs + p % bs, f"row {r}: slot {inputs[2]} is not position {p}'s"
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -485,11 +515,13 @@ class NativeEngine:
         if not self._layout_stale:
             return
         self._decoding, self._prefilling = [], []
+        self._decode_rows = 0
         for seq in sorted(self._running.values(), key=lambda s: s.admitted):
             if len(seq.tokens) - seq.num_computed == 1:
                 self._decoding.append(seq)
+                self._decode_rows = max(self._decode_rows, seq.row + 1)
                 if not seq.ready:
-                    self._check[seq] = None
+                    self._block_checks[seq] = None
             else:
                 self._prefilling.append(seq)
         self._layout_stale = False
@@ -499,15 +531,15 @@ class NativeEngine:
         """The decode set, oldest first, each with a writable block for its new token, and the
         number of rows it spans.
 
-        Only sequences in `_check` can need a block (a new one, or a private copy of a shared
+        Only sequences in `_block_checks` can need a block (a new one, or a private copy of a shared
         one): the others write into the block they wrote last step, which nothing else can have
         referenced or cached since (blocks are shared or registered only once full or at a fork).
         """
         self._layout()
-        if self._check:
+        if self._block_checks:
             bs, rows, blocks = self.block_size, self._rows, self.blocks
             copies: tuple[list[int], list[int]] = ([], [])
-            for seq in sorted(self._check, key=lambda s: s.admitted):
+            for seq in sorted(self._block_checks, key=lambda s: s.admitted):
                 if seq.row < 0 or len(seq.tokens) - seq.num_computed != 1:
                     continue  # finished, preempted meanwhile, or still prefilling
                 p = seq.num_computed
@@ -541,11 +573,10 @@ class NativeEngine:
                 rows.token[r], rows.position[r] = seq.tokens[p], p
                 rows.slot[r] = seq.table[index] * bs + p % bs
                 rows.count[r] = len(seq.tokens) - seq.num_prompt
-            self._check = {}
+            self._block_checks = {}
             self.kv.copy_blocks(*copies)
             self._layout()  # preemptions above changed the running set
-        decode = self._decoding
-        return decode, (max(s.row for s in decode) + 1 if decode else 0)
+        return self._decoding, self._decode_rows
 
     def _schedule_prefill(self) -> list[tuple[_Sequence, int]]:
         """Rows of this step's prefill: (sequence, tokens to compute now), blocks allocated."""
@@ -676,20 +707,20 @@ class NativeEngine:
             nb = min(1 << (needed - 1).bit_length(), self.max_blocks) if self.cuda_graphs else needed
         if self.cuda_graphs and (B, nb) not in self._graphs:
             self._capture(B, nb)
-        rows.push(B)
-        if self.cuda_graphs:
-            graph, logits = self._graphs[(B, nb)]
-            graph.replay()
-        else:
-            logits = self._decode_forward(B, nb)
         key = (B, self._layout_version)
-        if key != self._sampling_key:  # the decode set changed
+        if key != self._sampling_key:  # the decode set changed; built before the forward is queued
             params: list[SamplingParams | None] = [None] * B  # pad rows
             seeds = [0] * B
             for seq in seqs:
                 params[seq.row], seeds[seq.row] = seq.request.sampling, seq.seed
             self._sampling_batch = SamplingBatch.build(params, seeds, self.device)
             self._sampling_key = key
+        rows.push(B)
+        if self.cuda_graphs:
+            graph, logits = self._graphs[(B, nb)]
+            graph.replay()
+        else:
+            logits = self._decode_forward(B, nb)
         tokens, logprobs = sample(logits, self._sampling_batch, rows.inputs[3, :B, 0])
         # The step's one device-to-host transfer, all B rows: fp32 logprobs and token ids are exact in float64.
         out = torch.empty((2, B), dtype=torch.float64, device=self.device)
@@ -701,31 +732,37 @@ class NativeEngine:
         finished = []
         version = self.version
         token_in, position_in, slot_in, count_in = rows.token, rows.position, rows.slot, rows.count
-        for seq in seqs:
+        check = self._block_checks
+        for seq in seqs:  # the one Python loop over the decode set; keep it lean
             r = seq.row
             token = sampled[r]
-            seq.tokens.append(token)
+            tokens = seq.tokens
+            tokens.append(token)
             seq.logprobs.append(sampled_logprobs[r])
             seq.versions.append(version)
             p = seq.num_computed + 1
             seq.num_computed = p
-            if p % bs == 0:
+            crossed = not p % bs  # a block just filled: the next token starts a new one
+            if crossed:
                 self._register(seq)
-            num_generated = len(seq.tokens) - seq.num_prompt
+            n = len(tokens)
+            num_generated = n - seq.num_prompt
             if num_generated == 1:  # a prompt whose last token a decode step computed
                 self.num_first_tokens += 1
             sampling = seq.request.sampling
             if token in sampling.stop_token_ids or (sampling.stop and self._stop_string(seq)):
                 finished.append(self._finish(seq, "stop"))
-            elif len(seq.tokens) >= seq.limit:
+            elif n >= seq.limit:
                 finished.append(self._finish(seq, "length"))
             else:
                 # Next step's inputs: the token just sampled at the next position; a new block
                 # (and so a new slot) is _reserve_decode's work.
-                token_in[r], position_in[r], count_in[r] = token, p, num_generated
+                token_in[r] = token
+                position_in[r] = p
+                count_in[r] = num_generated
                 slot_in[r] += 1
-                if p % bs == 0:
-                    self._check[seq] = None
+                if crossed:
+                    check[seq] = None
         return finished
 
     def _decode_forward(self, B: int, nb: int) -> torch.Tensor:

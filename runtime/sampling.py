@@ -162,20 +162,25 @@ class SamplingBatch:
         greedy = temperature == 0  # in fp32: a temperature that rounds to 0 is greedy too
         divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
         is_real = torch.tensor([p is not None for p in params], dtype=torch.bool)
-        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+        seeds_t = torch.tensor(seeds, dtype=torch.int64)
+
+        def move(t: Tensor) -> Tensor:
+            # Built on the host, then copied without waiting for the device's queued work.
+            return t.to(device, non_blocking=True)
+
         return cls(
-            temperature=temperature.to(device),
-            top_p=torch.tensor([p.top_p for p in rows], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in rows], dtype=torch.int64, device=device),
-            min_p=torch.tensor([p.min_p for p in rows], dtype=torch.float32, device=device),
-            seeds=seeds_t,
+            temperature=move(temperature),
+            top_p=move(torch.tensor([p.top_p for p in rows], dtype=torch.float32)),
+            top_k=move(torch.tensor([p.top_k for p in rows], dtype=torch.int64)),
+            min_p=move(torch.tensor([p.min_p for p in rows], dtype=torch.float32)),
+            seeds=move(seeds_t),
             max_top_k=max((p.top_k for p in real if p.temperature > 0), default=0),
             use_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in real),
             use_min_p=any(p.min_p > 0.0 and p.temperature > 0 for p in real),
             all_greedy=all(p.temperature == 0 for p in real),
-            divisor=divisor.to(device),
-            greedy=greedy.to(device),
-            seed_keys=seed_keys(seeds_t),
+            divisor=move(divisor),
+            greedy=move(greedy),
+            seed_keys=move(seed_keys(seeds_t)),
             any_greedy=bool((greedy & is_real).any()),
             unit_temperature=bool((divisor == 1).all()),
         )

@@ -66,6 +66,7 @@ def drain(engine: NativeEngine) -> list[Completion]:
     done = []
     while engine.has_work():
         done += engine.step()
+        engine.check()
     return done
 
 
@@ -412,7 +413,8 @@ def test_chunked_prefill_matches_whole_prefill():
 
 def test_scheduler_invariants_under_random_traffic():
     """Random arrivals, lengths, stop ids, n and aborts on a tight cache: every sample comes back
-    exactly once (finished or aborted), nothing is duplicated, and no block or row leaks."""
+    exactly once (finished or aborted), nothing is duplicated, no block or row leaks, and every
+    decoding row's inputs and block table match its sequence after every step."""
     rng = random.Random(0)
     engine = make_engine(tiny_model(), max_num_seqs=5, max_model_len=40, num_blocks=24, max_num_batched_tokens=24)
     expected: dict[tuple[int, int], None] = {}
@@ -439,7 +441,7 @@ def test_scheduler_invariants_under_random_traffic():
         for c in engine.step():
             seen.append((c.request_id, c.index))
             assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
-        engine.blocks.check()
+        engine.check()
     seen += [(c.request_id, c.index) for c in drain(engine)]
     assert len(seen) == len(set(seen)), "a sample completed twice"
     assert set(seen) == set(expected), "a sample was lost"

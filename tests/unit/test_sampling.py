@@ -87,3 +87,24 @@ def test_sampled_frequencies_follow_the_truncated_distribution():
     target = torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95  # 0.05 < 0.2 * 0.5 is dropped
     assert freq[0] == 0
     assert (freq - target).abs().max() < 0.015
+
+
+def test_pad_rows_change_no_real_row_and_switch_on_no_work():
+    """None rows (the engine's pad rows) neither change the real rows' tokens and logprobs nor
+    turn on work only they would need (the argmax of greedy rows, the temperature division)."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    cpu = torch.device("cpu")
+    params = [SamplingParams(temperature=1.0), None, SamplingParams(temperature=0.7, top_k=5), None,
+              SamplingParams(temperature=0.0)]
+    counters = torch.tensor([3, 0, 4, 0, 9])
+    padded = SamplingBatch.build(params, [5, 0, 6, 0, 7], cpu)
+    tokens, logprobs = sample(logits, padded, counters)
+    for i in (0, 2, 4):
+        alone = SamplingBatch.build([params[i]], [[5, 0, 6, 0, 7][i]], cpu)
+        token, logprob = sample(logits[i:i + 1], alone, counters[i:i + 1])
+        assert token.item() == tokens[i].item() and logprob.item() == logprobs[i].item()
+    sampled_only = SamplingBatch.build([SamplingParams(temperature=1.0), None], [1, 0], cpu)
+    assert not sampled_only.any_greedy and not sampled_only.all_greedy and sampled_only.unit_temperature
+    assert SamplingBatch.build([SamplingParams(temperature=0.0), None], [1, 0], cpu).all_greedy
+    assert not padded.unit_temperature and padded.any_greedy and padded.max_top_k == 5
