@@ -637,21 +637,30 @@ class NativeEngine:
     def _prefill(self, rows: list[tuple[_Sequence, int]]) -> list[Completion]:
         """One eager forward of the prefill rows; rows that complete sample their next token."""
         bs, device = self.block_size, self.device
-        T = max(n for _, n in rows)
-        tokens, positions, slots = [], [], []
-        for seq, n in rows:
-            start = seq.num_computed
-            pos = list(range(start, start + T))
-            tokens.append(seq.tokens[start:start + n] + [0] * (T - n))
-            positions.append(pos)
-            slots.append([seq.table[p // bs] * bs + p % bs for p in pos[:n]] + [NULL_BLOCK] * (T - n))
+        B, T = len(rows), max(n for _, n in rows)
         nb = max(len(seq.table) for seq, _ in rows)
-        tables = torch.tensor([seq.table + [NULL_BLOCK] * (nb - len(seq.table)) for seq, _ in rows],
-                              dtype=torch.int32, device=device)
+        # Right-padded tokens, padded block tables, start positions and lengths in one host array
+        # and one copy; positions and slots are derived on the device (no per-token Python).
+        pad = [0] * max(T, nb)
+        host = array("q")
+        for seq, n in rows:
+            host.extend(seq.tokens[seq.num_computed:seq.num_computed + n])
+            host.extend(pad[:T - n])
+        for seq, _ in rows:
+            host.extend(seq.table)
+            host.extend(pad[:nb - len(seq.table)])  # NULL_BLOCK
+        host.extend([seq.num_computed for seq, _ in rows] + [n for _, n in rows])
+        dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
+        tokens = dev[:B * T].view(B, T)
+        tables = dev[B * T:B * (T + nb)].view(B, nb)
+        starts, lengths = dev[B * (T + nb):].view(2, B)
+        offsets = torch.arange(T, device=device)
+        positions = starts[:, None] + offsets  # (B, T); pads continue their row's positions
+        blocks = tables.gather(1, (positions // bs).clamp(max=nb - 1))
+        slots = torch.where(offsets < lengths[:, None], blocks * bs + positions % bs, NULL_BLOCK)  # pads: null block
         fresh = all(seq.num_computed == 0 for seq, _ in rows)
-        positions_t = torch.tensor(positions, device=device)  # (B, T)
-        attn = PagedAttention(self.kv, torch.tensor(slots, device=device), positions_t, tables, fresh=fresh)
-        hidden = self.model.hidden(torch.tensor(tokens, device=device), positions_t, attn)  # (B, T, dim)
+        attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
+        hidden = self.model.hidden(tokens, positions, attn)  # (B, T, dim)
         self.num_prefill_tokens += sum(n for _, n in rows)
 
         self._layout_stale = True  # rows move from prefilling to decoding
