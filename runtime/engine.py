@@ -191,7 +191,7 @@ class _Probe:
 
 
 class _DecodeRows:
-    """The decode forward's inputs, one entry per row: host lists the scheduler edits in place,
+    """The decode forward's inputs, one entry per row: host arrays the scheduler edits in place,
     and the persistent device buffers the forward (and its CUDA graphs) reads.
 
     Host arrays (int64): the token to feed, its position, its cache slot and its sampling counter
