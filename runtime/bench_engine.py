@@ -3,6 +3,7 @@
     meshrl bench engine [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
                         [--device cuda|cpu] [--no-hf] [--block-size 16] [--attention auto|torch|triton]
                         [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0] [--profile TRACE]
+                        [--stub]
 
 A model of the flavor (Qwen3 family by default) with random weights; `num_seqs` random prompts
 of `prompt_tokens` tokens, all submitted at once, each sampled (temperature 1, no truncation, no
@@ -18,6 +19,11 @@ CUDA graphs first. Prints one JSON line:
   CPU: the process's peak resident memory;
 - hf_tokens_per_s, speedup_vs_hf (unless --no-hf): transformers `generate` on the same weights
   (saved through models/hf.py), same dtype, same batch and lengths, sampling, EOS off.
+
+With --stub, a stand-in with the flavor's vocabulary but one 16-wide attention head and no
+layers replaces the model: compute is negligible, so the run measures the engine's own cost per
+step (scheduling and bookkeeping on the host, copies, kernel launches, sampling over the full
+vocabulary). Its decode_step_ms against the real model's says how much of a step is the engine.
 
 With --profile TRACE, a further run of the same shape is profiled (torch.profiler, host and
 device) over 20 of its pure decode steps: the top operators by self device time (CUDA) or self
@@ -38,22 +44,54 @@ import tempfile
 import time
 
 import torch
+from torch import nn
 
 from meshrl.models import get_family
 from meshrl.runtime.engine import NativeEngine, Request, SamplingParams
 
 
-def build_model(family: str, flavor: str, device: torch.device, dtype: torch.dtype, seed: int):
-    """A randomly initialised model of the flavor on device in dtype -> (model, args)."""
+def flavor_args(family: str, flavor: str):
     fam = get_family(family)
     if flavor not in fam.flavors:
         raise SystemExit(f"meshrl bench engine: unknown flavor {flavor!r} of {family} (known: {sorted(fam.flavors)})")
-    args = fam.flavors[flavor]
+    return fam.flavors[flavor]
+
+
+def build_model(family: str, flavor: str, device: torch.device, dtype: torch.dtype, seed: int):
+    """A randomly initialised model of the flavor on device in dtype -> (model, args)."""
+    fam = get_family(family)
+    args = flavor_args(family, flavor)
     with torch.device("meta"):
         model = fam.model_cls(args)
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     return model.to(dtype), args
+
+
+class StubModel(nn.Module):
+    """The models/ contract at negligible compute: embedding, one attention call with two 16-wide
+    query heads on one kv head (so k/v still go through the paged cache and its kernels, GQA
+    included), output weight tied to the embedding. For measuring the engine's own cost (--stub)."""
+
+    def __init__(self, vocab_size: int, dim: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attn=None) -> torch.Tensor:
+        """tokens, positions (B, T) -> (B, T, dim); positions only reach the attention context."""
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        kv = h[:, None]  # (B, 1, T, dim)
+        q = torch.cat([kv, kv], dim=1)  # (B, 2, T, dim)
+        if attn is None:
+            out = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        else:
+            out = attn.attend(0, q, kv, kv)
+        return h + out[:, 0]
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -163,6 +201,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", metavar="TRACE", default=None,
                         help="profile 20 decode steps of a further run: top ops to stderr, Chrome trace to TRACE")
+    parser.add_argument("--stub", action="store_true",
+                        help="a stand-in model of negligible compute (implies --no-hf): the engine's own cost per step")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -170,7 +210,11 @@ def main(argv: list[str]) -> None:
     flavor = opts.flavor or ("0.6B" if device.type == "cuda" else "tiny")
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
-    model, args = build_model(opts.family, flavor, device, dtype, opts.seed)
+    if opts.stub:
+        torch.manual_seed(opts.seed)
+        model = StubModel(flavor_args(opts.family, flavor).vocab_size).to(device=device, dtype=dtype)
+    else:
+        model, args = build_model(opts.family, flavor, device, dtype, opts.seed)
     max_model_len = opts.prompt_tokens + opts.gen_tokens
     blocks_per_seq = -(-(max_model_len - 1) // opts.block_size)
     if device.type == "cuda":
@@ -191,7 +235,8 @@ def main(argv: list[str]) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "family": opts.family, "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
+        "family": opts.family, "flavor": flavor + (" (stub)" if opts.stub else ""),
+        "dtype": str(dtype).removeprefix("torch."),
         "num_seqs": opts.num_seqs, "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens,
         "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
         "tokens_per_s": stats["tokens"] / stats["wall_s"],
@@ -203,7 +248,7 @@ def main(argv: list[str]) -> None:
     if opts.profile:
         profile_engine(engine, random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed + 2),
                        opts.gen_tokens, opts.seed + 2, opts.profile)
-    if not opts.no_hf:
+    if not (opts.no_hf or opts.stub):
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
