@@ -244,7 +244,9 @@ class NativeEngine:
     cuda_graphs: capture decode forwards (default: on for CUDA). attention: decode attention
         backend, "torch" (gather + SDPA) or "triton" (paged kernel, CUDA); "auto" picks triton when
         it can. detokenize: ids -> text, needed by requests with stop strings. seed: the engine's
-        RNG for requests without a seed.
+        RNG for requests without a seed. tp_group: the ranks of a tensor-parallel replica (each
+        passes its shard of the model and the same requests; the group's first rank's samples are
+        broadcast to the others every step).
     """
 
     def __init__(
@@ -264,6 +266,7 @@ class NativeEngine:
         attention: Literal["auto", "torch", "triton"] = "auto",
         detokenize: Callable[[list[int]], str] | None = None,
         seed: int = 0,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -287,6 +290,9 @@ class NativeEngine:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.prefix_sharing = prefix_sharing
         self.detokenize = detokenize
+        # A tensor-parallel replica: `model` holds this rank's shard (parallel/tensor_parallel.py)
+        # and every rank of the group runs this same scheduler on the same requests.
+        self.tp_group = tp_group if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1 else None
         self.version = 0
         self.vocab_size = self.model.output_weight.shape[0]
         is_cuda = self.device.type == "cuda"
@@ -732,11 +738,7 @@ class NativeEngine:
             logits = self._decode_forward(B, nb)
         tokens, logprobs = sample(logits, self._sampling_batch, rows.inputs[3, :B, 0])
         # The step's one device-to-host transfer, all B rows: fp32 logprobs and token ids are exact in float64.
-        out = torch.empty((2, B), dtype=torch.float64, device=self.device)
-        out[0].copy_(tokens)
-        out[1].copy_(logprobs)
-        out = out.cpu()
-        sampled, sampled_logprobs = out[0].long().tolist(), out[1].tolist()
+        sampled, sampled_logprobs = self._to_host(tokens, logprobs)
 
         finished = []
         version = self.version
@@ -803,10 +805,8 @@ class NativeEngine:
         """Sample seqs[i] from logits row i (a prefill's samplers), append, finish."""
         counters = torch.tensor([len(s.tokens) - s.num_prompt for s in seqs], device=self.device)
         tokens, logprobs = sample(logits, batch, counters)
-        # One device-to-host transfer per step: fp32 logprobs and token ids are exact in float64.
-        out = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
         finished = []
-        for seq, token, logprob in zip(seqs, out[0], out[1]):
+        for seq, token, logprob in zip(seqs, *self._to_host(tokens, logprobs)):
             seq.tokens.append(int(token))
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
@@ -815,6 +815,18 @@ class NativeEngine:
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return finished
+
+    def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The step's one device-to-host transfer (fp32 logprobs and token ids are exact in float64).
+        In a tensor-parallel replica the group's first rank's samples are broadcast first, so every
+        rank appends the same tokens and its scheduler stays in lockstep with the others."""
+        out = torch.empty((2, tokens.shape[0]), dtype=torch.float64, device=self.device)
+        out[0].copy_(tokens)
+        out[1].copy_(logprobs)
+        if self.tp_group is not None:
+            torch.distributed.broadcast(out, group=self.tp_group, group_src=0)
+        out = out.cpu()
+        return out[0].long().tolist(), out[1].tolist()
 
     def _finish_reason(self, seq: _Sequence) -> FinishReason | None:
         sampling = seq.request.sampling
