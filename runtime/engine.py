@@ -308,15 +308,15 @@ class NativeEngine:
             self.model.hidden(one, one, probe)
         layer_ids = [layer_id for layer_id, _, _ in probe.layers]
         _, num_kv_heads, head_dim = probe.layers[0]
-        # The kernel's tiles span a block and a head: triton ranges need powers of two.
-        kernel_fits = _is_pow2(block_size) and _is_pow2(head_dim)
+        # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16.
+        kernel_fits = _is_pow2(head_dim) and head_dim >= 16
         if attention == "auto":
             attention = "triton" if is_cuda and triton_available() and kernel_fits else "torch"
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {attention!r}")
         if attention == "triton" and not (is_cuda and kernel_fits):
-            raise ValueError(f"attention='triton' needs a CUDA device and power-of-two block_size ({block_size}) "
-                             f"and head_dim ({head_dim}); use 'torch'")
+            raise ValueError(f"attention='triton' needs a CUDA device and a power-of-two head_dim >= 16 "
+                             f"(got {head_dim}); use 'torch'")
         self.attention = attention
         per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, dtype)
         if num_blocks is None:

@@ -24,11 +24,11 @@ k/v into their slots (block * block_size + offset) and attends over each row's b
   position). GQA is folded into the query length (the g query heads of a kv head become g x T
   query rows), so k/v are never repeated. Exact, simple, and fixed-shape when L is bucketed,
   but it moves every gathered key twice.
-- "triton" backend (CUDA decode only, T == 1): `paged_decode_attention` reads k/v straight from
-  the blocks with an online softmax, one program per (row, kv head), looping over that row's
-  blocks up to its own length. It reads each cached key once, which is what the decode loop is
-  bound by. It is used only if triton imports; prefill always takes the torch path (prefill
-  without a cached prefix uses SDPA's causal kernel on the new tokens directly).
+- "triton" backend (CUDA decode only, T == 1): runtime/kernels.py's `paged_decode_attention`
+  reads k/v straight from the blocks with an online softmax, tiles of 64 keys, tensor-core
+  products and, for few rows, split key ranges. It reads each cached key once, which is what
+  the decode loop is bound by. It is used only if triton imports; prefill always takes the torch
+  path (prefill without a cached prefix uses SDPA's causal kernel on the new tokens directly).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from meshrl.runtime.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
 
@@ -265,80 +267,6 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, table
     key_pos = torch.arange(keys.shape[2], device=q.device)
     mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, L)
     return grouped_sdpa(q, keys, values, mask)
-
-
-def triton_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-_TRITON_KERNEL = None
-
-
-def _build_triton_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr,
-               stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb, stride_ob, stride_oh, scale,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        ctx = tl.load(ctx_ptr + row)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        n = tl.arange(0, BLOCK)
-        g_mask = g < GROUP
-        heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_mask[:, None], other=0.0).to(tl.float32)  # (G, D)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        denom = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for i in range(0, (ctx + BLOCK - 1) // BLOCK):
-            block = tl.load(table_ptr + row * stride_tb + i).to(tl.int64)
-            pos = i * BLOCK + n
-            k_mask = pos < ctx
-            offs = block * stride_kb + n[:, None] * stride_kp + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offs, mask=k_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK, D)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, BLOCK)
-            s = tl.where(k_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offs, mask=k_mask[:, None], other=0.0).to(tl.float32)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
-        out = acc / denom[:, None]
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-    return kernel
-
-
-def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, context_lens: Tensor) -> Tensor:
-    """The triton backend for one new token per row. q (B, Hq, 1, D); tables (B, nb) int32;
-    context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D)."""
-    global _TRITON_KERNEL
-    if _TRITON_KERNEL is None:
-        _TRITON_KERNEL = _build_triton_kernel()
-    B, num_q_heads, T, D = q.shape
-    assert T == 1, "the triton kernel decodes one token per row"
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    q2 = q[:, :, 0, :].contiguous()  # (B, Hq, D)
-    out = torch.empty_like(q2)
-    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    _TRITON_KERNEL[(B, num_kv_heads)](
-        q2, k_cache, v_cache, tables, context_lens, out,
-        q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), D ** -0.5,
-        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), BLOCK=block_size, D=D,
-    )
-    return out[:, :, None, :]
 
 
 class PagedAttention:

@@ -187,7 +187,8 @@ class SamplingBatch:
 
 
 def truncate(probs: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
-    """Zero what top_k, min_p and top_p drop (see the module docstring). probs, scaled (B, V) fp32."""
+    """Zero what top_k, min_p and top_p drop (see the module docstring). probs, scaled (B, V) fp32;
+    probs may be unnormalised (every rule compares within a row)."""
     if batch.max_top_k > 0:
         k = batch.top_k.clamp(max=min(batch.max_top_k, scaled.shape[1]))
         top = scaled.topk(min(batch.max_top_k, scaled.shape[1]), dim=-1).values  # (B, K) descending
@@ -213,14 +214,45 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tens
     logits = logits.float()
     # x / 1 is exactly x: skip a pass over (B, V) when no row has another temperature.
     scaled = logits if batch.unit_temperature else logits / batch.divisor[:, None]  # (B, V)
-    logp = torch.log_softmax(scaled, dim=-1)
+    # Only the sampled tokens' logprobs are needed, so no (B, V) log_softmax: unnormalised
+    # probabilities exp(x - max) serve truncation and the draw (both only use ratios), and
+    # logprob = (x - max) - log(sum), as accurate as log_softmax near 0.
+    peak = scaled.amax(dim=-1, keepdim=True)  # (B, 1)
+    weights = (scaled - peak).exp_()  # (B, V) in (0, 1], the top token's is 1
+    log_total = weights.sum(dim=-1, keepdim=True).log_()  # (B, 1)
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        probs = truncate(logp.exp(), scaled, batch)
-        cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 so 150k-token sums keep 48-bit draws meaningful
-        target = _uniform_from_keys(batch.seed_keys, counters) * cdf[:, -1]
-        drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-        drawn = drawn.clamp(max=logits.shape[1] - 1)
+        drawn = inverse_cdf(truncate(weights, scaled, batch), _uniform_from_keys(batch.seed_keys, counters))
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), drawn) if batch.any_greedy else drawn
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, ((scaled.gather(-1, tokens[:, None]) - peak) - log_total).squeeze(-1)
+
+
+_CHUNK = 1024
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The first token whose cumulative mass exceeds u times the row's total. probs (B, V) fp32
+    >= 0 with a positive total, u (B,) float64 in [0, 1) -> (B,) int64; never a zero-mass token.
+
+    Two levels, so the full vocabulary is read once (fp64 sums of 1024-token chunks) and only
+    the chosen chunk is scanned: a full-vocabulary fp64 cumsum was the sampler's largest cost.
+    """
+    B, V = probs.shape
+    C = min(_CHUNK, V)
+    full = V // C
+    sums = [probs[:, :full * C].view(B, full, C).sum(-1, dtype=torch.float64)]  # (B, full)
+    if full * C < V:
+        sums.append(probs[:, full * C:].sum(-1, keepdim=True, dtype=torch.float64))
+    cdf = torch.cat(sums, dim=1).cumsum_(dim=1)  # (B, n) mass up to the end of each chunk
+    target = (u * cdf[:, -1])[:, None]  # (B, 1)
+    chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
+    base = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)  # mass before the chunk
+    index = chunk * C + torch.arange(C, device=probs.device)  # (B, C)
+    values = probs.gather(1, index.clamp(max=V - 1)).masked_fill_(index >= V, 0.0)
+    within = values.double().cumsum_(dim=1).add_(base)
+    pos = torch.searchsorted(within, target, right=True)  # (B, 1) in [0, C]
+    # Summation order differs between the chunk sums and this cumsum: a target in the last ulps
+    # of the chunk may pass its end; take the chunk's last token with mass then.
+    last = torch.where(values > 0, torch.arange(C, device=probs.device), -1).amax(dim=1, keepdim=True)
+    return (chunk * C + torch.minimum(pos, last)).squeeze(1)

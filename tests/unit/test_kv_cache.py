@@ -163,15 +163,17 @@ def test_paged_attention_context_writes_slots_then_attends():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(16, 8), (6, 2), (4, 4)])
-def test_triton_decode_kernel_equals_reference(dtype, num_q_heads, num_kv_heads):
+@pytest.mark.parametrize("block_size,splits", [(16, None), (16, 1), (16, 3), (32, 2), (8, 1)])
+def test_triton_decode_kernel_equals_reference(dtype, num_q_heads, num_kv_heads, block_size, splits):
+    """Tiles of 64 keys cross blocks; split key ranges merge to the same softmax; rows of 1 key."""
     pytest.importorskip("triton")
     torch.manual_seed(0)
-    B, D, bs, num_blocks = 5, 64, 16, 40
+    B, D, bs, num_blocks, nb = 6, 64, block_size, 80, 300 // block_size
     k = torch.randn(num_blocks, bs, num_kv_heads, D, device="cuda", dtype=dtype)
     v = torch.randn(num_blocks, bs, num_kv_heads, D, device="cuda", dtype=dtype)
-    tables = torch.randint(1, num_blocks, (B, 7), device="cuda", dtype=torch.int32)
-    context_lens = torch.tensor([1, 16, 17, 100, 112], device="cuda", dtype=torch.int32)
+    tables = torch.randint(1, num_blocks, (B, nb), device="cuda", dtype=torch.int32)
+    context_lens = torch.tensor([1, 16, 17, 100, 130, nb * bs], device="cuda", dtype=torch.int32)
     q = torch.randn(B, num_q_heads, 1, D, device="cuda", dtype=dtype)
-    out = paged_decode_attention(q, k, v, tables, context_lens)
+    out = paged_decode_attention(q, k, v, tables, context_lens, splits=splits)
     ref = paged_attention_reference(q.float(), k.float(), v.float(), tables.long(), (context_lens - 1).long()[:, None])
     assert (out.float() - ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrl.runtime.sampling import SamplingBatch, SamplingParams, hash_uniform, sample, truncate
+from meshrl.runtime.sampling import SamplingBatch, SamplingParams, hash_uniform, inverse_cdf, sample, truncate
 
 
 def batch_of(*params: SamplingParams, seeds: list[int] | None = None) -> SamplingBatch:
@@ -108,3 +108,24 @@ def test_pad_rows_change_no_real_row_and_switch_on_no_work():
     assert not sampled_only.any_greedy and not sampled_only.all_greedy and sampled_only.unit_temperature
     assert SamplingBatch.build([SamplingParams(temperature=0.0), None], [1, 0], cpu).all_greedy
     assert not padded.unit_temperature and padded.any_greedy and padded.max_top_k == 5
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 3000, 151936])
+def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass(vocab):
+    """The two-level draw picks the token a full-vocabulary fp64 cumsum picks (up to targets
+    within rounding of a token boundary) and never a token of zero mass."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=g) ** 8
+    probs[:, ::3] = 0.0  # truncated tokens
+    probs[:, 1] += 1e-3
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2.0**-48
+    drawn = inverse_cdf(probs, u)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
+    assert (probs.gather(1, drawn[:, None]) > 0).all()
+    mismatch = drawn != expected
+    if mismatch.any():  # only where the target sits at a boundary up to rounding
+        rows = mismatch.nonzero().squeeze(1)
+        gap = (cdf[rows, expected[rows]] - u[rows] * cdf[rows, -1]).abs() / cdf[rows, -1]
+        assert (gap < 1e-12).all() and mismatch.sum() <= 1

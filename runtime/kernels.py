@@ -1,0 +1,158 @@
+"""Triton kernels of the native engine (GPU; they also run under TRITON_INTERPRET=1 on CPU).
+
+Paged decode attention (`paged_decode_attention`): one new query token per row attends over
+that row's cached keys, read straight from the paged cache by block table (no gather copy).
+
+    grid (rows, kv heads, splits); program (r, h, s) owns the query heads of kv head h (the GQA
+    group, padded to 16 rows so both products run on tensor cores) and the key range
+    [s * span, (s + 1) * span) of row r, cut at the row's own length, in tiles of TILE keys.
+    A tile may span several cache blocks: each key's block comes from the table, so the tile
+    size does not depend on block_size.
+
+Decode is bound by reading the cache, so what matters is keeping enough loads in flight: big
+tiles (many keys per load) and enough programs to fill the SMs. With many rows (a full decode
+batch) one split per row suffices; with few rows and long contexts the key range is split
+(flash-decoding) and a second kernel merges the splits' partial softmax states. The split count
+is a function of (rows, cache length) only, so a CUDA graph captured for a batch shape stays
+valid.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+from torch import Tensor
+
+TILE = 64  # keys per tile
+_MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr,
+               stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb,
+               stride_ob, stride_oh, stride_os, stride_mb, stride_mh, scale, span,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+               D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + row)
+        start = split * span
+        end = tl.minimum(ctx, start + span)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, TILE)
+        g_mask = g < GROUP
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None],
+                    other=0.0)  # (G, D)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for i in range(0, tl.cdiv(end - start, TILE)):
+            t = start + i * TILE + n
+            t_mask = t < end
+            block = tl.load(table_ptr + row * stride_tb + t // BS, mask=t_mask, other=0).to(tl.int64)
+            offs = block[:, None] * stride_kb + (t % BS)[:, None] * stride_kp + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0)  # (TILE, D)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # (G, TILE)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if SPLIT:
+            # Partial state of this key range: unnormalised output, running max and sum.
+            base = row * stride_mb + heads * stride_mh + split
+            tl.store(m_ptr + base, m, mask=g_mask)
+            tl.store(l_ptr + base, denom, mask=g_mask)
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], acc,
+                     mask=g_mask[:, None])
+        else:
+            out = acc / denom[:, None]
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+    @triton.jit
+    def merge(part_ptr, m_ptr, l_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,
+              stride_ob, stride_oh, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        s_mask = s < S
+        m = tl.load(m_ptr + row * stride_mb + head * stride_mh + s, mask=s_mask, other=float("-inf"))
+        denom = tl.load(l_ptr + row * stride_mb + head * stride_mh + s, mask=s_mask, other=0.0)
+        weight = tl.exp(m - tl.max(m, axis=0))  # splits past the row's length hold m = -inf: weight 0
+        part = tl.load(part_ptr + row * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                       mask=s_mask[:, None], other=0.0)
+        out = tl.sum(part * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
+        tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+    return decode, merge
+
+
+def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Key-range splits per (row, kv head): enough programs for ~4 per SM, at most one tile each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    wanted = math.ceil(4 * sms / (batch * num_kv_heads))
+    return max(1, min(wanted, math.ceil(max_len / TILE)))
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, context_lens: Tensor,
+                           splits: int | None = None) -> Tensor:
+    """One new token per row over the paged cache. q (B, Hq, 1, D); k_cache/v_cache
+    (num_blocks, block_size, Hkv, D); tables (B, nb) int32 covering every row's keys;
+    context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D).
+    splits: key-range splits (default: `num_splits` of the batch and nb * block_size)."""
+    decode, merge = _kernels()
+    B, num_q_heads, T, D = q.shape
+    assert T == 1, "the decode kernel takes one token per row"
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    max_len = tables.shape[1] * block_size
+    if splits is None:
+        splits = num_splits(B, num_kv_heads, max_len, q.device)
+    span = math.ceil(math.ceil(max_len / splits) / TILE) * TILE
+    q2 = q[:, :, 0, :].contiguous()  # (B, Hq, D)
+    out = torch.empty_like(q2)
+    common = dict(GROUP=group, GROUP_PAD=max(_MIN_GROUP_ROWS, 1 << (group - 1).bit_length()), BS=block_size,
+                  TILE=TILE, D=D, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    args = (q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0))
+    if splits == 1:
+        decode[(B, num_kv_heads, 1)](q2, k_cache, v_cache, tables, context_lens, out, out, out,
+                                     *args, out.stride(0), out.stride(1), 0, 0, 0, D ** -0.5, span,
+                                     SPLIT=False, **common)
+        return out[:, :, None, :]
+    part = torch.empty((B, num_q_heads, splits, D), dtype=torch.float32, device=q.device)
+    m = torch.empty((B, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    denom = torch.empty_like(m)
+    decode[(B, num_kv_heads, splits)](q2, k_cache, v_cache, tables, context_lens, part, m, denom,
+                                      *args, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
+                                      D ** -0.5, span, SPLIT=True, **common)
+    merge[(B, num_q_heads)](part, m, denom, out, part.stride(0), part.stride(1), part.stride(2), m.stride(0),
+                            m.stride(1), out.stride(0), out.stride(1), S=splits,
+                            S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D)
+    return out[:, :, None, :]
