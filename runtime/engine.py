@@ -12,7 +12,8 @@ One scheduler iteration (`NativeEngine.step`):
     3. prefill      one eager forward of the prefill set (right-padded (B, T)); rows that reach
                     the end of their tokens sample their next token
     4. decode       one forward of the decode set, one token per row; on CUDA a captured graph
-                    per (bucketed batch, bucketed block count) replays the whole forward
+                    per (bucketed batch, bucketed block count, sampling mode) replays the whole
+                    forward and the sampler (models/common/fused.py kernels inside it)
     after every sample: stop id / stop string / max_tokens / max_model_len -> Completion, blocks
     and row freed at once
 
@@ -71,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrl.runtime.kv_cache import NULL_BLOCK, BlockManager, KVCache, PagedAttention, block_hashes, triton_available
-from meshrl.runtime.sampling import SamplingBatch, SamplingParams, sample
+from meshrl.runtime.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 
 __all__ = ["Completion", "FinishReason", "InferenceEngine", "NativeEngine", "Request", "SamplingParams",
            "continuation_ids", "generate"]
@@ -351,8 +352,9 @@ class NativeEngine:
         # Persistent decode inputs, one entry per row (see _decode).
         self._rows = _DecodeRows(max_num_seqs, self.max_blocks, self.device)
         self._buckets = _batch_buckets(max_num_seqs)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._static_sampling = StaticSamplingBatch(max_num_seqs, self.device) if self.cuda_graphs else None
         # Running sequences in admission order, split into decoding (one uncomputed token) and
         # prefilling; rebuilt only when a row is taken or freed or a prefill ran.
         self._decoding: list[_Sequence] = []
@@ -729,14 +731,20 @@ class NativeEngine:
             for seq in seqs:
                 params[seq.row], seeds[seq.row] = seq.request.sampling, seq.seed
             self._sampling_batch = SamplingBatch.build(params, seeds, self.device)
+            if self.cuda_graphs:
+                self._static_sampling.load(self._sampling_batch)
             self._sampling_key = key
-        rows.push(B)
         if self.cuda_graphs:
-            graph, logits = self._graphs[(B, nb)]
+            # The graph runs the forward and the sampler: one launch for the whole step.
+            key = (B, nb, self._sampling_batch.mode())
+            if key not in self._graphs:
+                self._capture(*key)
+            graph, (tokens, logprobs) = self._graphs[key]
+            rows.push(B)
             graph.replay()
         else:
-            logits = self._decode_forward(B, nb)
-        tokens, logprobs = sample(logits, self._sampling_batch, rows.inputs[3, :B, 0])
+            rows.push(B)
+            tokens, logprobs = sample(self._decode_forward(B, nb), self._sampling_batch, rows.inputs[3, :B, 0])
         # The step's one device-to-host transfer, all B rows: fp32 logprobs and token ids are exact in float64.
         sampled, sampled_logprobs = self._to_host(tokens, logprobs)
 
@@ -784,20 +792,26 @@ class NativeEngine:
         hidden = self.model.hidden(inputs[0, :B], inputs[1, :B], attn)  # (B, 1, dim)
         return F.linear(hidden[:, -1], self.model.output_weight)
 
-    def _capture(self, B: int, nb: int) -> None:
-        """Capture the decode forward for B rows and nb blocks; pads write only to the null block."""
+    def _capture(self, B: int, nb: int, mode: tuple) -> None:
+        """Capture the decode forward for B rows and nb blocks and the sampler of `mode` over its
+        logits (reading the static sampling buffers); pads write only to the null block."""
         self._rows.inputs[:, :B].zero_()
         self._rows.context_lens[:B].fill_(1)
+        batch = self._static_sampling.view(B, mode)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            return sample(self._decode_forward(B, nb), batch, self._rows.inputs[3, :B, 0])
+
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the triton kernel, create cuBLAS workspaces: outside the capture
-                self._decode_forward(B, nb)
+            for _ in range(2):  # compile the triton kernels, create cuBLAS workspaces: outside the capture
+                step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._decode_forward(B, nb)
-        self._graphs[(B, nb)] = (graph, logits)
+            out = step()
+        self._graphs[(B, nb, mode)] = (graph, out)
 
     # ------------------------------------------------------------------ sampling and stopping
 

@@ -186,6 +186,38 @@ class SamplingBatch:
         )
 
 
+    def mode(self) -> tuple[int, bool, bool, bool, bool, bool]:
+        """Which operations `sample` runs for this batch (its host flags), with max_top_k rounded up
+        to a power of two (a larger top-k pass keeps the same tokens: each row cuts at its own k).
+        A CUDA graph captured for one mode serves every batch of that mode."""
+        k = self.max_top_k
+        return (1 << (k - 1).bit_length() if k else 0, self.use_top_p, self.use_min_p, self.all_greedy,
+                self.any_greedy, self.unit_temperature)
+
+
+_BATCH_TENSORS = ("temperature", "top_p", "top_k", "min_p", "seeds", "divisor", "greedy", "seed_keys")
+
+
+class StaticSamplingBatch:
+    """A SamplingBatch's tensors for up to `rows` rows in buffers that never move, so a captured
+    CUDA graph can read them: `load` copies a batch in, `view(B, mode)` is the batch to sample with."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        template = SamplingBatch.build([None] * rows, [0] * rows, device)
+        self.buffers = {name: getattr(template, name).clone() for name in _BATCH_TENSORS}
+
+    def load(self, batch: SamplingBatch) -> None:
+        for name, buffer in self.buffers.items():
+            value = getattr(batch, name)
+            buffer[..., :value.shape[-1]].copy_(value)
+
+    def view(self, B: int, mode: tuple[int, bool, bool, bool, bool, bool]) -> SamplingBatch:
+        max_top_k, use_top_p, use_min_p, all_greedy, any_greedy, unit_temperature = mode
+        return SamplingBatch(**{name: buffer[..., :B] for name, buffer in self.buffers.items()},
+                             max_top_k=max_top_k, use_top_p=use_top_p, use_min_p=use_min_p, all_greedy=all_greedy,
+                             any_greedy=any_greedy, unit_temperature=unit_temperature)
+
+
 def truncate(probs: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
     """Zero what top_k, min_p and top_p drop (see the module docstring). probs, scaled (B, V) fp32;
     probs may be unnormalised (every rule compares within a row)."""

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from meshrl.models.common import fused
+from meshrl.models.common.fused import use_fused
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistic in fp32, over the last dim."""
@@ -24,6 +27,8 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        if use_fused(x) and self.weight.dtype == x.dtype:
+            return fused.rms_norm(x, self.weight, self.eps)  # one kernel, same numerics (inference only)
         input_dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

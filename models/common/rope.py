@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from meshrl.models.common import fused
+from meshrl.models.common.fused import use_fused
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -79,6 +82,9 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) with cos, sin (B, T, D)."""
+    half = q.shape[-1] // 2
+    if use_fused(q) and half & (half - 1) == 0 and cos.dtype == q.dtype:
+        return fused.rope(q, cos, sin), fused.rope(k, cos, sin)  # inference only, same numerics
     cos = cos.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
     sin = sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

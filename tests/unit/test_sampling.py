@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrl.runtime.sampling import SamplingBatch, SamplingParams, hash_uniform, inverse_cdf, sample, truncate
+from meshrl.runtime.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    StaticSamplingBatch,
+    hash_uniform,
+    inverse_cdf,
+    sample,
+    truncate,
+)
 
 
 def batch_of(*params: SamplingParams, seeds: list[int] | None = None) -> SamplingBatch:
@@ -129,3 +137,17 @@ def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass(vocab):
         rows = mismatch.nonzero().squeeze(1)
         gap = (cdf[rows, expected[rows]] - u[rows] * cdf[rows, -1]).abs() / cdf[rows, -1]
         assert (gap < 1e-12).all() and mismatch.sum() <= 1
+
+
+def test_static_batch_view_samples_like_the_batch():
+    """The fixed-address buffers a CUDA graph reads give the same tokens as the batch they hold."""
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=1), None, SamplingParams(temperature=0.0),
+              SamplingParams(top_p=0.9, min_p=0.05)]
+    batch = SamplingBatch.build(params, [11, 0, 12, 13], torch.device("cpu"))
+    static = StaticSamplingBatch(8, torch.device("cpu"))
+    static.load(batch)
+    assert batch.mode()[0] == 8  # top_k 5 rounds up to the next power of two
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    counters = torch.arange(4)
+    for a, b in zip(sample(logits, batch, counters), sample(logits, static.view(4, batch.mode()), counters)):
+        assert torch.equal(a, b)
