@@ -8,7 +8,8 @@ agree with eager up to the last bit of a reduction.
 
 They are used only under `torch.inference_mode()` on a CUDA tensor with triton installed: the
 native engine runs there; training, the trainer's no-grad passes and CPU runs keep the eager
-code, so gradients and the trainer's logprobs never depend on these kernels. MESHRL_FUSED=0
+code, so gradients and the trainer's logprobs never depend on these kernels. (Agreement is to the
+last bit of bf16, not bitwise: reduction order and the compiler's exp/rsqrt differ from eager.) MESHRL_FUSED=0
 turns them off (to compare).
 """
 

@@ -32,7 +32,7 @@ def test_rms_norm_matches_eager(shape):
     assert _ulps(fused, eager) <= 1.0  # the fp32 sum's order may move the rsqrt by an ulp
 
 
-def test_rope_and_silu_mul_match_eager_bitwise():
+def test_rope_and_silu_mul_match_eager():
     pytest.importorskip("triton")
     torch.manual_seed(0)
     rope = RotaryEmbedding(128, 1e6)
@@ -44,7 +44,8 @@ def test_rope_and_silu_mul_match_eager_bitwise():
     with torch.inference_mode():
         fused = apply_rope(q, k, cos, sin)
     for e, f in zip(eager, fused):
-        assert torch.equal(e, f) and f.stride() == e.stride() or torch.equal(e.contiguous(), f.contiguous())
+        assert f.shape == e.shape and f.stride() == e.stride()  # (B, T, H, D) memory, as eager's
+        assert _ulps(f, e) <= 1.0, f"{(f != e).float().mean().item():.2%} differ"
     ffn = FeedForward(256, 768).cuda().to(torch.bfloat16)
     x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
     a, b = ffn.w1(x), ffn.w3(x)
