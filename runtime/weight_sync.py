@@ -9,6 +9,11 @@ between two decode steps, so requests in flight keep their KV cache and go on.
 
 Both sides derive the same bucket plan from the parameter names and shapes of the same
 model definition, so nothing but the flat buffers crosses the wire.
+
+Tensor-parallel inference ranks (parallel/tensor_parallel.py) receive the same full buckets and
+copy only their slice of each sharded parameter: the plan is made of full shapes on both sides
+(`tensor_parallel.full_shape`), and `tensor_parallel.local_slice` picks the rank's rows or
+columns out of the received tensor. The trainer does not know how the engines are split.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrl.parallel import full_tensors
-from meshrl.parallel.parallelize import full_shape
+from meshrl.parallel.tensor_parallel import full_shape, local_slice
 
 
 def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket_mb: float) -> list[list[int]]:
@@ -42,7 +47,8 @@ def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket
 
 
 def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    # full shapes, so the trainer's sharded (FSDP / expert-parallel) model gives the same plan
+    # full shapes, so the trainer's sharded (FSDP / expert-parallel) model and a tensor-parallel
+    # engine's model give the same plan
     return [(name, full_shape(model, name, p)) for name, p in model.named_parameters()]
 
 
@@ -79,15 +85,17 @@ def send_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int, dt
 @torch.no_grad()
 def receive_weights(model: nn.Module, group: dist.ProcessGroup, src: int, dtype: torch.dtype,
                     bucket_mb: float, device: torch.device) -> None:
-    """Inference side: receive every bucket and copy it into `model`'s parameters in place."""
+    """Inference side: receive every bucket and copy it into `model`'s parameters in place
+    (a tensor-parallel model's sharded parameters take only their slice of the full tensor)."""
     shapes = _shapes(model)
     params = [p for _, p in model.named_parameters()]
     for bucket in bucket_plan(shapes, dtype.itemsize, bucket_mb):
-        numel = sum(params[i].numel() for i in bucket)
+        numel = sum(math.prod(shapes[i][1]) for i in bucket)
         flat = torch.empty(numel, dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for i in bucket:
-            p = params[i]
-            p.copy_(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+            name, shape = shapes[i]
+            size = math.prod(shape)
+            params[i].copy_(local_slice(model, name, flat[offset:offset + size].view(shape)))
+            offset += size
