@@ -1,4 +1,5 @@
-"""Triton kernels of the native engine (GPU; they also run under TRITON_INTERPRET=1 on CPU).
+"""Triton kernels of the native engine (GPU; they also run under TRITON_INTERPRET=1 on CPU):
+paged decode attention and the sampler's one pass over the logits (`chunk_stats`).
 
 Paged decode attention (`paged_decode_attention`): one new query token per row attends over
 that row's cached keys, read straight from the paged cache by block table (no gather copy).
@@ -110,7 +111,20 @@ def _kernels():
         out = tl.sum(part * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
         tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
-    return decode, merge
+    @triton.jit
+    def chunk_stats(x_ptr, div_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, n_chunks, C: tl.constexpr):
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        i = chunk * C + tl.arange(0, C)
+        x = tl.load(x_ptr + row * stride_x + i, mask=i < V, other=float("-inf")).to(tl.float32)
+        x = x / tl.load(div_ptr + row)
+        m = tl.max(x, axis=0)
+        out = row * n_chunks + chunk
+        tl.store(max_ptr + out, m)
+        tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), axis=0))
+        tl.store(arg_ptr + out, tl.argmax(x, axis=0).to(tl.int64))  # first index of the max
+
+    return decode, merge, chunk_stats
 
 
 def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -126,7 +140,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     (num_blocks, block_size, Hkv, D); tables (B, nb) int32 covering every row's keys;
     context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D).
     splits: key-range splits (default: `num_splits` of the batch and nb * block_size)."""
-    decode, merge = _kernels()
+    decode, merge, _ = _kernels()
     B, num_q_heads, T, D = q.shape
     assert T == 1, "the decode kernel takes one token per row"
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -156,3 +170,16 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
                             m.stride(1), out.stride(0), out.stride(1), S=splits,
                             S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D)
     return out[:, :, None, :]
+
+
+def chunk_stats(logits: Tensor, divisor: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per chunk of `chunk` vocabulary entries of x = logits / divisor (one read of the logits):
+    max (B, n) fp32, sum of exp(x - max) (B, n) fp32, index of the first max in the chunk (B, n)."""
+    kernel = _kernels()[2]
+    B, V = logits.shape
+    n = math.ceil(V / chunk)
+    cmax = torch.empty((B, n), dtype=torch.float32, device=logits.device)
+    csum = torch.empty_like(cmax)
+    carg = torch.empty((B, n), dtype=torch.int64, device=logits.device)
+    kernel[(B, n)](logits, divisor, cmax, csum, carg, V, logits.stride(0), n, C=chunk, num_warps=4)
+    return cmax, csum, carg

@@ -2,7 +2,10 @@
 
 One call samples a token for every row of a (B, V) logits batch with that row's own
 temperature, top_k, min_p and top_p, on the logits' device, with a handful of batched kernels
-and no Python loop over rows.
+and no Python loop over rows. Without truncation (the RL default) the vocabulary is read once,
+in 1024-token chunks (max, mass and argmax per chunk; a Triton kernel on CUDA), and the draw
+scans only the chunk it lands in; with truncation the whole (B, V) probabilities are formed.
+The engine captures the sampler in its decode CUDA graph.
 
 Logprobs. The logprob reported for a sampled token is fp32 `log_softmax(logits / temperature)`
 over the full vocabulary, before any truncation (top_k, min_p, top_p), which is what the
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from meshrl.runtime.kernels import chunk_stats, triton_available
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,13 @@ def truncate(probs: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tensor, Tensor]:
     """Sample one token per row. logits (B, V) any float dtype; counters (B,) int64 (the index of
     the token in its completion) -> (tokens (B,) int64, logprobs (B,) fp32)."""
+    if batch.max_top_k or batch.use_top_p or batch.use_min_p:
+        return _sample_truncated(logits, batch, counters)
+    return _sample_full(logits, batch, counters)
+
+
+def _sample_truncated(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tensor, Tensor]:
+    """Some row truncates: probabilities over the whole (B, V) batch, truncated, drawn."""
     logits = logits.float()
     # x / 1 is exactly x: skip a pass over (B, V) when no row has another temperature.
     scaled = logits if batch.unit_temperature else logits / batch.divisor[:, None]  # (B, V)
@@ -258,6 +270,52 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tens
         drawn = inverse_cdf(truncate(weights, scaled, batch), _uniform_from_keys(batch.seed_keys, counters))
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), drawn) if batch.any_greedy else drawn
     return tokens, ((scaled.gather(-1, tokens[:, None]) - peak) - log_total).squeeze(-1)
+
+
+def _chunk_stats(logits: Tensor, divisor: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """runtime/kernels.py's chunk_stats (one Triton pass on CUDA), or the same in torch."""
+    if logits.is_cuda and triton_available():
+        return chunk_stats(logits, divisor, chunk)
+    B, V = logits.shape
+    n = -(-V // chunk)
+    x = logits.float() / divisor[:, None]
+    x = torch.nn.functional.pad(x, (0, n * chunk - V), value=float("-inf")).view(B, n, chunk)
+    cmax, carg = x.max(dim=-1)
+    return cmax, (x - cmax[..., None]).exp().sum(dim=-1), carg
+
+
+def _sample_full(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tuple[Tensor, Tensor]:
+    """No row truncates: the whole vocabulary is read once, in chunks, for each chunk's max, mass
+    and argmax (the normaliser, the greedy token and the draw's first level all come from those);
+    only the drawn chunk's 1024 logits are read again. Same tokens as `_sample_truncated` up to
+    rounding at a token boundary."""
+    B, V = logits.shape
+    C = min(_CHUNK, V)
+    cmax, csum, carg = _chunk_stats(logits, batch.divisor, C)  # (B, n) each
+    peak = cmax.amax(dim=1, keepdim=True)  # (B, 1)
+    mass = csum.double() * (cmax - peak).double().exp()  # (B, n) in float64
+    total = mass.sum(dim=1, keepdim=True)
+    if batch.any_greedy or batch.all_greedy:
+        first = (cmax == peak).int().argmax(dim=1, keepdim=True)  # the first chunk holding the max
+        argmax = (first * C + carg.gather(1, first)).squeeze(1)
+    if batch.all_greedy:
+        tokens = argmax
+    else:
+        target = _uniform_from_keys(batch.seed_keys, counters)[:, None] * total  # (B, 1)
+        cdf = mass.cumsum(dim=1)
+        chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
+        base = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+        index = chunk * C + torch.arange(C, device=logits.device)  # (B, C)
+        x = logits.gather(1, index.clamp(max=V - 1)).double() / batch.divisor[:, None]
+        weights = (x - peak).exp().masked_fill_(index >= V, 0.0)
+        pos = torch.searchsorted(weights.cumsum(dim=1).add_(base), target, right=True)
+        # The chunk's mass and this cumsum round differently: a target in the chunk's last ulps
+        # may pass its end; take its last token with mass then.
+        last = torch.where(weights > 0, torch.arange(C, device=logits.device), -1).amax(dim=1, keepdim=True)
+        drawn = (chunk * C + torch.minimum(pos, last)).squeeze(1)
+        tokens = torch.where(batch.greedy, argmax, drawn) if batch.any_greedy else drawn
+    x = logits.gather(1, tokens[:, None]).float() / batch.divisor[:, None]
+    return tokens, ((x - peak) - total.log().float()).squeeze(1)
 
 
 _CHUNK = 1024
