@@ -11,13 +11,24 @@ One scheduler iteration (`NativeEngine.step`):
                     blocks found in the prefix cache are shared instead of recomputed
     3. prefill      one eager forward of the prefill set (right-padded (B, T)); rows that reach
                     the end of their tokens sample their next token
-    4. decode       one forward of the decode set, one token per row; on CUDA a captured graph
-                    per (bucketed batch, bucketed block count, sampling mode) replays the whole
-                    forward and the sampler (models/common/fused.py kernels inside it)
+    4. decode       queue one forward of the decode set, one token per row; on CUDA a captured
+                    graph per (bucketed batch, bucketed block count, sampling mode) replays the
+                    whole forward and the sampler (models/common/fused.py kernels inside it)
+    5. complete     read the tokens of the decode queued in the *previous* step and append them
     after every sample: stop id / stop string / max_tokens / max_model_len -> Completion, blocks
     and row freed at once
 
 Decode runs every step and prefill gets a token budget per step, so neither starves the other.
+
+One-step lookahead. A decode launch does not wait for its tokens: the next step queues the next
+forward first, feeding each row the token its previous launch left on the device, and only then
+reads the previous launch's tokens, so the device computes step N+1 while the host does step N's
+bookkeeping. A sequence that step N's token ends by length is not fed again; one that a stop
+token ends computes one wasted position whose result is dropped (every loss of a row bumps the
+sequence's epoch; a launch's results count only for the epoch it was queued in). An abort or a
+preemption drops the in-flight token (a preempted sequence samples it again, same seed). Tokens
+record the weight version of their launch. Positions and slots are host-known a step ahead, so
+block allocation and copy-on-write stay on the host as before.
 
 Host work of a decode step is one Python pass over the decode set (append the sampled token,
 check the stop rules, store the row's next token / position / slot / counter in host arrays),
@@ -163,6 +174,8 @@ class _Sequence:
     admitted: int = -1  # admission stamp: the newest running sequence is preempted first
     cache_version: int = 0  # weight version of its oldest cached k/v
     followers: list[_Sequence] = field(default_factory=list)  # samples waiting to fork its prefill
+    inflight: int = 0  # decode launches whose token has not come back yet (0 or 1)
+    epoch: int = 0  # bumped whenever it loses its row: results of earlier launches are stale
 
     @property
     def generated(self) -> list[int]:
@@ -195,13 +208,15 @@ class _DecodeRows:
     """The decode forward's inputs, one entry per row: host arrays the scheduler edits in place,
     and the persistent device buffers the forward (and its CUDA graphs) reads.
 
-    Host arrays (int64): the token to feed, its position, its cache slot and its sampling counter
-    (tokens generated so far). A row that does not decode this step holds the pad: token 0 at
-    position 0, written to the null block. A decoding row changes by +1 per step, so the step's
-    work on the host is a handful of stores per row; block-table edits are queued as
-    (row, index, block) and travel with the inputs in `push`, the one host-to-device copy of a
-    decode step. Arrays rather than lists: they become a tensor by a memory copy, not an
-    element-by-element conversion (~7x faster at 256 rows).
+    Host arrays (int64): the token to feed, its position, its cache slot, its sampling counter
+    (tokens generated so far) and `follow`: 1 when the token to feed is the one this row sampled
+    in the previous launch, which is still on the device (`last`) when the next launch is queued.
+    A row that does not decode this step holds the pad: token 0 at position 0, written to the
+    null block. A decoding row changes by +1 per launch, so the step's work on the host is a
+    handful of stores per row; block-table edits are queued as (row, index, block) and travel
+    with the inputs in `push`, the one host-to-device copy of a decode step. Arrays rather than
+    lists: they become a tensor by a memory copy, not an element-by-element conversion (~7x
+    faster at 256 rows).
     """
 
     def __init__(self, num_rows: int, max_blocks: int, device: torch.device) -> None:
@@ -209,24 +224,41 @@ class _DecodeRows:
         self.position = array("q", bytes(8 * num_rows))
         self.slot = array("q", bytes(8 * num_rows))
         self.count = array("q", bytes(8 * num_rows))
+        self.follow = array("q", bytes(8 * num_rows))
         self.table_updates: list[int] = []  # row, index, block, row, index, block, ...
         self.inputs = torch.zeros((4, num_rows, 1), dtype=torch.long, device=device)  # token, position, slot, count
         self.context_lens = torch.ones(num_rows, dtype=torch.int32, device=device)
         self.tables = torch.zeros((num_rows, max_blocks), dtype=torch.int32, device=device)
+        self.last = torch.zeros(num_rows, dtype=torch.long, device=device)  # tokens of the last launch
 
     def clear(self, row: int) -> None:
-        self.token[row] = self.position[row] = self.slot[row] = self.count[row] = 0
+        self.token[row] = self.position[row] = self.slot[row] = self.count[row] = self.follow[row] = 0
 
     def push(self, B: int) -> None:
         """Copy rows [0, B) and the queued block-table entries to the device buffers."""
-        staged = self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + array("q", self.table_updates)
+        staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
+                  + array("q", self.table_updates))
         dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
         self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
+        self.inputs[0, :B, 0].copy_(torch.where(dev[4 * B:5 * B].bool(), self.last[:B], self.inputs[0, :B, 0]))
         torch.add(dev[B:2 * B], 1, out=self.context_lens[:B])
         if self.table_updates:
-            updates = dev[4 * B:].view(-1, 3)
+            updates = dev[5 * B:].view(-1, 3)
             self.tables.index_put_((updates[:, 0], updates[:, 1]), updates[:, 2].to(torch.int32))
             self.table_updates = []
+
+
+@dataclass(eq=False)
+class _Launch:
+    """A queued decode forward: which sequence sampled in which row (and its epoch then), the
+    weight version, and the (2, B) tokens / logprobs on their way to the host."""
+
+    seqs: list[_Sequence]
+    rows: list[int]
+    epochs: list[int]
+    version: int
+    host: torch.Tensor
+    event: torch.cuda.Event | None
 
 
 class NativeEngine:
@@ -355,6 +387,10 @@ class NativeEngine:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self._static_sampling = StaticSamplingBatch(max_num_seqs, self.device) if self.cuda_graphs else None
+        self._launched: _Launch | None = None  # the decode launch whose tokens the next step reads
+        self._host_out = [torch.empty((2, max_num_seqs), dtype=torch.float64, pin_memory=True)
+                          for _ in range(2)] if is_cuda else []  # two: a launch's copy never overwrites unread tokens
+        self._host_flip = 0
         # Running sequences in admission order, split into decoding (one uncomputed token) and
         # prefilling; rebuilt only when a row is taken or freed or a prefill ran.
         self._decoding: list[_Sequence] = []
@@ -419,12 +455,17 @@ class NativeEngine:
         """One scheduler iteration (see the module docstring); returns the samples that finished."""
         finished, self._pending_aborts = self._pending_aborts, []
         with torch.inference_mode():
+            launched, self._launched = self._launched, None
             decode, num_rows = self._reserve_decode()
             prefill = self._schedule_prefill()
             if prefill:
                 finished += self._prefill(prefill)
             if decode:
-                finished += self._decode(decode, num_rows)
+                # Queued before the previous launch's tokens are read: the device computes this
+                # step while the host does the previous one's bookkeeping (one-step lookahead).
+                self._launched = self._launch_decode(decode, num_rows)
+            if launched is not None:
+                finished += self._complete_decode(launched)
         return finished
 
     def check(self) -> None:
@@ -440,9 +481,11 @@ class NativeEngine:
             if seq is None or not seq.ready:
                 assert inputs == (0, 0, 0, 0), f"row {r} is not decoding but holds inputs {inputs}"
                 continue
-            p = seq.num_computed
-            assert len(seq.tokens) - p == 1 and seq.row == r
-            assert inputs[0:2] == (seq.tokens[p], p) and inputs[3] == len(seq.tokens) - seq.num_prompt
+            p = seq.num_computed + seq.inflight  # the position its next launch feeds
+            assert len(seq.tokens) - seq.num_computed == 1 and seq.row == r and seq.inflight in (0, 1)
+            fed = (0, p, 1) if seq.inflight else (seq.tokens[p], p, 0)  # in flight: token from the device
+            assert (inputs[0], inputs[1], rows.follow[r]) == fed, f"row {r}: inputs {inputs} are not {fed}"
+            assert inputs[3] == len(seq.tokens) + seq.inflight - seq.num_prompt
             assert tables[r][:len(seq.table)] == seq.table, f"row {r}: device block table is stale"
             if seq not in self._block_checks:  # else the next _reserve_decode gives it a block
                 block = seq.table[p // bs]
@@ -464,6 +507,8 @@ class NativeEngine:
         seq.table = []
         seq.num_computed = seq.num_registered = 0
         seq.ready = False
+        seq.inflight = 0
+        seq.epoch += 1
         if seq.row >= 0:
             del self._running[seq.row]
             heapq.heappush(self._free_rows, seq.row)
@@ -550,7 +595,9 @@ class NativeEngine:
             for seq in sorted(self._block_checks, key=lambda s: s.admitted):
                 if seq.row < 0 or len(seq.tokens) - seq.num_computed != 1:
                     continue  # finished, preempted meanwhile, or still prefilling
-                p = seq.num_computed
+                if len(seq.tokens) + seq.inflight >= seq.limit:
+                    continue  # ends by length when its in-flight token lands: not fed again
+                p = seq.num_computed + seq.inflight  # the position its next launch feeds
                 index = p // bs
                 while True:
                     needs = index == len(seq.table) or blocks.ref[seq.table[index]] > 1
@@ -578,9 +625,11 @@ class NativeEngine:
                     seq.ready = True
                 elif changed:
                     rows.table_updates += (r, index, seq.table[index])
-                rows.token[r], rows.position[r] = seq.tokens[p], p
+                # An in-flight token is fed from the device (follow); else the host knows it.
+                rows.token[r], rows.follow[r] = (0, 1) if seq.inflight else (seq.tokens[p], 0)
+                rows.position[r] = p
                 rows.slot[r] = seq.table[index] * bs + p % bs
-                rows.count[r] = len(seq.tokens) - seq.num_prompt
+                rows.count[r] = len(seq.tokens) + seq.inflight - seq.num_prompt
             self._block_checks = {}
             self.kv.copy_blocks(*copies)
             self._layout()  # preemptions above changed the running set
@@ -713,9 +762,21 @@ class NativeEngine:
         self._requeue_followers(leader)
         return forked
 
-    def _decode(self, seqs: list[_Sequence], num_rows: int) -> list[Completion]:
-        """One token for every sequence of the decode set (rows < num_rows), through the row buffers."""
+    def _launch_decode(self, seqs: list[_Sequence], num_rows: int) -> _Launch:
+        """Queue one token for every sequence of the decode set (rows < num_rows) and advance the
+        rows' host inputs to the next position; the tokens are read by `_complete_decode`.
+
+        A sequence whose in-flight token (from the previous launch) ends it by length is not fed
+        again: its row is a pad in this launch. One stopped by a stop token is not known yet and
+        computes one wasted position, which the completion drops (its epoch changed).
+        """
         bs, rows = self.block_size, self._rows
+        fed = []
+        for seq in seqs:
+            if len(seq.tokens) + seq.inflight < seq.limit:
+                fed.append(seq)
+            else:
+                rows.clear(seq.row)
         B = next(b for b in self._buckets if b >= num_rows) if self.cuda_graphs else num_rows
         if self.attention == "triton":
             nb = self.max_blocks  # the kernel stops at each row's own length
@@ -743,15 +804,49 @@ class NativeEngine:
         else:
             rows.push(B)
             tokens, logprobs = sample(self._decode_forward(B, nb), self._sampling_batch, rows.inputs[3, :B, 0])
-        # The step's one device-to-host transfer, all B rows: fp32 logprobs and token ids are exact in float64.
-        sampled, sampled_logprobs = self._to_host(tokens, logprobs)
+        # fp32 logprobs and token ids are exact in float64: one buffer, one device-to-host copy.
+        out = torch.empty((2, B), dtype=torch.float64, device=self.device)
+        out[0].copy_(tokens)
+        out[1].copy_(logprobs)
+        if self.tp_group is not None:  # every rank of the replica feeds and appends rank 0's tokens
+            torch.distributed.broadcast(out, group=self.tp_group, group_src=0)
+        rows.last[:B].copy_(out[0])
+        event = None
+        if self.device.type == "cuda":
+            host = self._host_out[self._host_flip][:, :B]
+            self._host_flip ^= 1
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = out
 
-        finished = []
-        version = self.version
-        token_in, position_in, slot_in, count_in = rows.token, rows.position, rows.slot, rows.count
+        # Next launch's inputs: the position after this one, its token fed from the device; a new
+        # block (and so a new slot) at a block boundary is _reserve_decode's work.
+        token_in, position_in, slot_in, count_in, follow = rows.token, rows.position, rows.slot, rows.count, rows.follow
         check = self._block_checks
-        for seq in seqs:  # the one Python loop over the decode set; keep it lean
+        for seq in fed:
             r = seq.row
+            seq.inflight += 1
+            p = position_in[r] + 1
+            token_in[r], follow[r], position_in[r] = 0, 1, p
+            slot_in[r] += 1
+            count_in[r] += 1
+            if not p % bs:
+                check[seq] = None
+        return _Launch(fed, [seq.row for seq in fed], [seq.epoch for seq in fed], self.version, host, event)
+
+    def _complete_decode(self, launch: _Launch) -> list[Completion]:
+        """Append a launch's tokens to its sequences that still hold their row; finish them."""
+        if launch.event is not None:
+            launch.event.synchronize()
+        sampled, sampled_logprobs = launch.host[0].long().tolist(), launch.host[1].tolist()
+        finished = []
+        bs, version = self.block_size, launch.version
+        for seq, r, epoch in zip(launch.seqs, launch.rows, launch.epochs):  # keep this loop lean
+            if seq.epoch != epoch:
+                continue  # finished, aborted or preempted since the launch: its token is dropped
+            seq.inflight -= 1
             token = sampled[r]
             tokens = seq.tokens
             tokens.append(token)
@@ -759,27 +854,16 @@ class NativeEngine:
             seq.versions.append(version)
             p = seq.num_computed + 1
             seq.num_computed = p
-            crossed = not p % bs  # a block just filled: the next token starts a new one
-            if crossed:
+            if not p % bs:  # a block just filled
                 self._register(seq)
             n = len(tokens)
-            num_generated = n - seq.num_prompt
-            if num_generated == 1:  # a prompt whose last token a decode step computed
+            if n - seq.num_prompt == 1:  # a prompt whose last token a decode step computed
                 self.num_first_tokens += 1
             sampling = seq.request.sampling
             if token in sampling.stop_token_ids or (sampling.stop and self._stop_string(seq)):
                 finished.append(self._finish(seq, "stop"))
             elif n >= seq.limit:
                 finished.append(self._finish(seq, "length"))
-            else:
-                # Next step's inputs: the token just sampled at the next position; a new block
-                # (and so a new slot) is _reserve_decode's work.
-                token_in[r] = token
-                position_in[r] = p
-                count_in[r] = num_generated
-                slot_in[r] += 1
-                if crossed:
-                    check[seq] = None
         return finished
 
     def _decode_forward(self, B: int, nb: int) -> torch.Tensor:

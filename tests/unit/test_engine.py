@@ -299,7 +299,10 @@ def test_abort_frees_blocks_and_returns_partial_completion():
     assert in_use == 2  # 4 prompt tokens + 1 decoded, blocks of 4
     aborted = engine.abort(0)
     assert aborted is not None and aborted.finish_reason == "abort"
-    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions) == 2
+    # The prefill's token, and not the in-flight one of the decode launched in step 2: an abort
+    # returns what has come back to the host and drops the launch's result.
+    assert len(aborted.token_ids) == len(aborted.logprobs) == len(aborted.versions) == 1
+    assert aborted.token_ids == greedy_reference(model, prompts[0], 1)
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1  # freed at once
     assert engine.abort(0) is None  # no longer live
     waiting = engine.abort(2)  # never admitted
@@ -412,12 +415,16 @@ def test_chunked_prefill_matches_whole_prefill():
     assert [c.token_ids for c in out] == [greedy_reference(model, p, 8) for p in prompts]
 
 
-def test_scheduler_invariants_under_random_traffic():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_scheduler_invariants_under_random_traffic(graphs):
     """Random arrivals, lengths, stop ids, n and aborts on a tight cache: every sample comes back
     exactly once (finished or aborted), nothing is duplicated, no block or row leaks, and every
-    decoding row's inputs and block table match its sequence after every step."""
+    decoding row's inputs and block table match its sequence after every step (also on the
+    CUDA-graph path, emulated on CPU: bucketed batches with pad rows)."""
     rng = random.Random(0)
     engine = make_engine(tiny_model(), max_num_seqs=5, max_model_len=40, num_blocks=24, max_num_batched_tokens=24)
+    if graphs:
+        emulate_cuda_graphs(engine)
     expected: dict[tuple[int, int], None] = {}
     seen: list[tuple[int, int]] = []
     live: list[int] = []
