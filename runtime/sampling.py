@@ -290,7 +290,7 @@ def _sample_full(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tupl
     only the drawn chunk's 1024 logits are read again. Same tokens as `_sample_truncated` up to
     rounding at a token boundary."""
     B, V = logits.shape
-    C = min(_CHUNK, V)
+    C = min(_CHUNK, 1 << (V - 1).bit_length())  # a power of two (triton ranges); the last chunk is masked
     cmax, csum, carg = _chunk_stats(logits, batch.divisor, C)  # (B, n) each
     peak = cmax.amax(dim=1, keepdim=True)  # (B, 1)
     mass = csum.double() * (cmax - peak).double().exp()  # (B, n) in float64

@@ -8,8 +8,9 @@ agree with eager up to the last bit of a reduction.
 
 They are used only under `torch.inference_mode()` on a CUDA tensor with triton installed: the
 native engine runs there; training, the trainer's no-grad passes and CPU runs keep the eager
-code, so gradients and the trainer's logprobs never depend on these kernels. (Agreement is to the
-last bit of bf16, not bitwise: reduction order and the compiler's exp/rsqrt differ from eager.) MESHRL_FUSED=0
+code, so gradients and the trainer's logprobs never depend on these kernels. Agreement is not
+bitwise: the reduction order, the compiler's exp/rsqrt and its fusing of a product into a sum
+(RoPE) move results by about a bf16 spacing of the operands (measured on an H200; tests/unit/test_fused.py). MESHRL_FUSED=0
 turns them off (to compare).
 """
 

@@ -46,9 +46,14 @@ def test_rope_and_silu_mul_match_eager():
     eager = apply_rope(q, k, cos, sin)
     with torch.inference_mode():
         fused = apply_rope(q, k, cos, sin)
-    for e, f in zip(eager, fused):
+    for x, e, f in zip((q, k), eager, fused):
         assert f.shape == e.shape
-        assert _ulps(f, e) <= 1.0, f"{(f != e).float().mean().item():.2%} differ"
+        # The compiler may fuse a product into the sum (one rounding instead of eager's two):
+        # agreement to within a bf16 spacing of the products, which a cancelling sum exposes.
+        c, s = cos[:, None], sin[:, None]
+        products = (x.float() * c.float()).abs() + (x.float() * s.float()).abs().roll(64, dims=-1)
+        assert ((f.float() - e.float()).abs() <= 2.0**-7 * products + 1e-6).all()
+        assert (f != e).float().mean().item() < 0.5
     ffn = FeedForward(256, 768).cuda().to(torch.bfloat16)
     x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
     a, b = ffn.w1(x), ffn.w3(x)
