@@ -173,7 +173,7 @@ class VLLMConfig(Base):
 
 
 class InferenceConfig(Base):
-    """Inference engines on the inference sub-mesh (one replica per rank)."""
+    """Inference engines on the inference sub-mesh (one replica per `tensor_parallel` ranks)."""
 
     backend: Literal["native", "vllm"] = "native"
     """Engine implementation: "native" (models/ + our KV cache; CPU and GPU) or "vllm" (GPU only,
@@ -201,15 +201,17 @@ class InferenceConfig(Base):
     """Native engine: decode attention over the paged cache, a triton kernel (GPU) or gather + SDPA;
     auto = triton when it is installed and the device is a GPU."""
     tensor_parallel: int = Field(1, ge=1)
-    """Ranks per engine replica; only 1 is implemented (no tensor parallelism inside a replica yet)."""
+    """Ranks per engine replica (native engine, dense qwen3 / llama models): each of the N ranks holds
+    1/N of every attention and FFN matrix (docs/parallelism.md). layout.num_inference_ranks must be a
+    multiple, and N must divide the model's attention heads, kv heads and FFN width."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 
     @model_validator(mode="after")
-    def _one_rank_per_replica(self) -> "InferenceConfig":
-        if self.tensor_parallel != 1:
-            raise ValueError(f"inference.tensor_parallel ({self.tensor_parallel}) must be 1: tensor parallelism "
-                             "inside an engine replica is not implemented; add inference ranks instead")
+    def _tensor_parallel_native(self) -> "InferenceConfig":
+        if self.tensor_parallel > 1 and self.backend != "native":
+            raise ValueError(f'inference.tensor_parallel ({self.tensor_parallel}) > 1 needs inference.backend = '
+                             '"native": the vLLM adapter runs one GPU per replica')
         return self
 
     @model_validator(mode="after")
@@ -492,7 +494,7 @@ class LayoutConfig(Base):
     num_trainer_ranks: int = Field(1, ge=1)
     """Ranks of the trainer sub-mesh."""
     num_inference_ranks: int = Field(1, ge=1)
-    """Ranks of the inference sub-mesh (one engine replica each)."""
+    """Ranks of the inference sub-mesh (one engine replica per inference.tensor_parallel ranks)."""
 
     @property
     def world_size(self) -> int:
@@ -628,6 +630,10 @@ class RLConfig(Base):
         if self.inference.backend == "vllm" and self.dist.device == "cpu":
             raise ValueError('inference.backend = "vllm" needs CUDA, but dist.device is "cpu"; '
                              'use inference.backend = "native" on CPU')
+        if self.layout.num_inference_ranks % self.inference.tensor_parallel:
+            raise ValueError(f"layout.num_inference_ranks ({self.layout.num_inference_ranks}) must be a multiple of "
+                             f"inference.tensor_parallel ({self.inference.tensor_parallel}): one engine replica "
+                             "per tensor_parallel ranks")
         if self.trainer.micro_batch_tokens < self.inference.max_model_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must be >= "
@@ -712,6 +718,9 @@ class EvalConfig(Base):
     def _native(self) -> "EvalConfig":
         if self.inference.backend != "native":
             raise ValueError('meshrl eval runs the native engine: inference.backend must be "native"')
+        if self.inference.tensor_parallel != 1:
+            raise ValueError(f"inference.tensor_parallel ({self.inference.tensor_parallel}) must be 1: meshrl eval "
+                             "runs one engine in one process")
         check_eval_fits(self.eval, self.inference)
         return self
 

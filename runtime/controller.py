@@ -21,6 +21,12 @@ all earlier tokens (token in / token out). A failing, hanging or memory-exceedin
 fails only its rollout (rollouts/failed). With eval.every, evaluations run between training
 rollouts on the inference ranks (runtime/eval.py: OnlineEval).
 
+Tensor-parallel replicas (inference.tensor_parallel > 1). A replica of N inference ranks is one
+engine: groups are load-balanced over replicas (`roles.engines`, each replica's first rank, is
+the rank a group is routed to), every message for a replica goes to each of its ranks in the
+same order (runtime/inference.py keeps them in lockstep), and completions come from the first
+rank only. `load_weights` and `stop` go to every inference rank, and each one answers `done`.
+
 All receives run on Inbox threads; the loop below waits on one queue, so it sleeps while
 nothing happens, and a dead or silent peer surfaces as an error within dist.timeout_s.
 
@@ -197,10 +203,10 @@ class Controller:
             self._on_completions(msg.data)
         elif msg.kind == "weights":
             self.clock.weights_version = msg.meta["version"]
-            for r in self.layout.roles.inference:
+            for r in self.layout.roles.inference:  # every rank of a replica joins the weight broadcast
                 transport.send(Message("load_weights", {"version": msg.meta["version"]}), r, self.layout.down[r])
             if self.evals is not None and self.evals.due(msg.meta["version"]):  # after the load: evaluates v
-                self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.inference))
+                self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.engines))
         elif msg.kind == "episode":
             self._on_episode(msg.meta["event"])
         elif msg.kind == "report":
@@ -221,14 +227,14 @@ class Controller:
     def _dispatch_step(self, step: int) -> None:
         """Start the episodes of step ``step``; their first turns go out once their prompts are ready."""
         cfg = self.cfg
-        inference = self.layout.roles.inference
+        engines = self.layout.roles.engines  # one per replica
         groups = []
         self._cursor_at[step] = self.cursor
         for g in range(cfg.prompts_per_step):
             example = self.env.example(self.cursor)
             self.cursor += 1
             groups.append(Group(example, [], [None] * cfg.samples_per_prompt))
-            rank = inference[(step * cfg.prompts_per_step + g) % len(inference)]  # a group stays on one replica
+            rank = engines[(step * cfg.prompts_per_step + g) % len(engines)]  # a group stays on one replica
             for j in range(cfg.samples_per_prompt):
                 self.turns.start(("train", step, g, j), self.env, example, rank, cfg.inference.sampling.temperature,
                                  partial(self._turn_seed, step, g, j))
@@ -247,7 +253,10 @@ class Controller:
         return rid
 
     def _send_requests(self, rank: int, meta: dict, ids: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
-        transport.send(Message("generate", meta, encode_requests(ids, prompts, seeds)), rank, self.layout.down[rank])
+        """Requests for the replica whose first rank is `rank`: the same message to each of its ranks."""
+        msg = Message("generate", meta, encode_requests(ids, prompts, seeds))
+        for r in self.layout.roles.replica_of(rank):
+            transport.send(msg, r, self.layout.down[r])
 
     # ------------------------------------------------------------------ scoring
 

@@ -1,4 +1,4 @@
-"""The inference rank: one engine replica fed by the controller.
+"""The inference rank: one engine replica (or one rank of a tensor-parallel replica) fed by the controller.
 
 Between two engine steps the rank handles every message waiting in its inbox, in order:
 `generate` adds requests, `load_weights v` receives the trainer's broadcast into the engine's
@@ -6,21 +6,37 @@ parameters in place (requests in flight keep their KV cache and continue on the 
 each token records its version), `stop` aborts what is left and ends. Finished requests go
 back to the controller in one message per engine step. When the engine is idle the rank
 blocks on its inbox instead of spinning.
+
+Tensor parallel replicas (inference.tensor_parallel = N > 1). The N ranks each hold a shard of
+the model (parallel/tensor_parallel.py) and run the same scheduler, so they must apply the same
+messages between the same engine steps (the lockstep contract): otherwise one rank would run a
+forward, and its all-reduces, over a batch the others do not have. The controller sends every
+message to every rank of the replica, in the same order on each channel; before each step the
+replica's first rank (the leader) broadcasts on the gloo `tp_control` group how many messages it
+takes from its inbox, and the others take exactly that many from theirs (waiting for them if
+they are still in flight). The engine broadcasts the leader's sampled tokens every step, so the
+schedulers never diverge. Only the leader reports completions; every rank joins each weight
+broadcast and takes its own slice. While idle, the leader announces "0 messages" at every
+heartbeat, so the others never sit in one collective for long.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 from tensordict import TensorDict
 
+from meshrl.models import get_family
+from meshrl.models.hf import build_hf_skeleton
+from meshrl.parallel.tensor_parallel import check_tensor_parallel, shard_for_inference
 from meshrl.runtime import transport, weight_sync
-from meshrl.runtime.config import RLConfig
+from meshrl.runtime.config import InferenceConfig, ModelConfig, RLConfig
 from meshrl.runtime.controller import FINISH_CODES, HEARTBEAT_S
 from meshrl.runtime.engine import Completion, NativeEngine, Request, SamplingParams
 from meshrl.runtime.layout import Layout
-from meshrl.runtime.policy import build_policy, compute_dtype
+from meshrl.runtime.policy import build_policy, compute_dtype, load_tokenizer_for
 from meshrl.runtime.rundir import Heartbeat, log
 from meshrl.runtime.transport import Message
 from meshrl.runtime.vllm_engine import build_vllm_engine
@@ -57,14 +73,7 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
     if cfg.inference.backend == "vllm":
         engine = build_vllm_engine(cfg.inference, cfg.model, device, dtype, seed=cfg.seed)
     else:
-        model, _ = build_policy(cfg.model, device, dtype)
-        inf = cfg.inference
-        engine = NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
-                              dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
-                              kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
-                              max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
-                              cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
-                              seed=cfg.seed)
+        engine = build_native_engine(cfg.inference, cfg.model, device, dtype, cfg.seed, layout.tp_group)
     controller = layout.roles.controller
     inbox = transport.Inbox(last_kinds=("stop",))
     inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
@@ -75,17 +84,10 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
         engine.set_version(start_version)
     log.info("received initial weights (v%d)", start_version)
     up = layout.up[layout.rank]
+    reports = layout.is_replica_leader  # a tensor-parallel replica speaks through its first rank
     generated = 0
     while True:
-        if engine.has_work():
-            messages = inbox.drain()
-        else:
-            beat.set(f"idle with weights v{engine.version}, waiting for the controller")
-            msg = inbox.get(timeout=HEARTBEAT_S)
-            if msg is None:
-                log.info("heartbeat: idle, version %d, %d tokens generated so far", engine.version, generated)
-                continue
-            messages = [msg]
+        messages = _next_messages(engine, inbox, layout, beat, cfg.dist.timeout_s, generated)
         for msg in messages:
             if msg.kind == "generate":
                 for request in decode_requests(msg):
@@ -105,9 +107,89 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
         if engine.has_work():
             beat.set(f"engine step with weights v{engine.version}")
             done = engine.step()
-            if done:
+            if done and reports:
                 generated += sum(len(c.token_ids) for c in done)
                 transport.send(Message("completions", {}, encode_completions(done)), controller, up)
+
+
+def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                        seed: int, tp_group: torch.distributed.ProcessGroup | None = None) -> NativeEngine:
+    """The native engine of an inference rank; with `tp_group`, over this rank's shard of the model.
+
+    A tensor-parallel shard is built on the meta device, split there and only then materialised,
+    so no rank ever holds the full model; its values are placeholders until the trainer's first
+    weight broadcast (which every inference rank receives before serving anything).
+    """
+    if tp_group is None:
+        model, _ = build_policy(model_cfg, device, dtype)
+    else:
+        model = _build_skeleton(model_cfg, dtype)
+        shard_for_inference(model, tp_group)
+        model.to_empty(device=device)
+        model.init_weights(seed=model_cfg.init_seed)  # finite values for the engine's probe forward
+    return NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
+                        dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
+                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
+                        max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
+                        cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
+                        seed=seed, tp_group=tp_group)
+
+
+def _build_skeleton(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The policy's model on the meta device (no weights), as build_policy would shape it."""
+    if model_cfg.path is not None:
+        return build_hf_skeleton(model_cfg.path, model_cfg.impl, dtype)[0]
+    family = get_family(model_cfg.family)
+    args = dataclasses.replace(family.flavors[model_cfg.flavor], vocab_size=len(load_tokenizer_for(model_cfg)))
+    with torch.device("meta"):
+        return family.model_cls(args).to(dtype)
+
+
+def check_tensor_parallel_model(inf: InferenceConfig, model_cfg: ModelConfig) -> None:
+    """ValueError before any process starts when the model cannot be split inference.tensor_parallel
+    ways (a family without a plan, heads or FFN width not divisible); nothing to check at 1."""
+    if inf.tensor_parallel > 1:
+        check_tensor_parallel(_build_skeleton(model_cfg), inf.tensor_parallel)
+
+
+def _next_messages(engine, inbox: transport.Inbox, layout: Layout, beat: Heartbeat, timeout_s: float,
+                   generated: int) -> list[Message]:
+    """The controller's messages to apply before the next engine step: whatever has arrived while
+    the engine works, else the next one (none after HEARTBEAT_S: a heartbeat). A tensor-parallel
+    follower applies exactly what its replica's first rank applies (see the module docstring)."""
+    if not layout.is_replica_leader:
+        if not engine.has_work():
+            beat.set(f"idle with weights v{engine.version}, waiting for the replica's first rank")
+        return _lockstep([], inbox, layout.tp_control, False, timeout_s)
+    if engine.has_work():
+        messages = inbox.drain()
+    else:
+        beat.set(f"idle with weights v{engine.version}, waiting for the controller")
+        msg = inbox.get(timeout=HEARTBEAT_S)
+        if msg is None:
+            log.info("heartbeat: idle, version %d, %d tokens generated so far", engine.version, generated)
+        messages = [] if msg is None else [msg]
+    if layout.tp_control is not None:
+        _lockstep(messages, inbox, layout.tp_control, True, timeout_s)
+    return messages
+
+
+def _lockstep(messages: list[Message], inbox: transport.Inbox, group, leader: bool, timeout_s: float) -> list[Message]:
+    """The messages every rank of a tensor-parallel replica applies before this step: the leader's
+    `messages`, taken by the others from their own inboxes (the controller sends each message to
+    every rank of the replica, in the same order)."""
+    count = torch.tensor([len(messages) if leader else 0], dtype=torch.int64)
+    torch.distributed.broadcast(count, group=group, group_src=0)
+    if leader:
+        return messages
+    taken = []
+    for _ in range(int(count)):
+        msg = inbox.get(timeout=timeout_s)
+        if msg is None:
+            raise TimeoutError(f"the replica's first rank applied a controller message this rank did not get "
+                               f"within {timeout_s}s")
+        taken.append(msg)
+    return taken
 
 
 def _receive_weights(engine, cfg: RLConfig, group, src: int, dtype: torch.dtype, device: torch.device) -> None:

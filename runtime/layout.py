@@ -2,7 +2,10 @@
 
     world ranks --assign_roles()--> controller (1, CPU only) | trainers (T) | inference (I)
 
-`assign_roles` is a pure function of (world size, layout, controller rank). The controller
+`assign_roles` is a pure function of (world size, layout, controller rank). Inference ranks
+come in replicas of `tensor_parallel` consecutive ranks, each replica one engine; its first rank
+(the replica's leader) is the one the controller load-balances over and hears completions from.
+The controller
 is the process past the node's GPUs (on CPU: the last local rank), found by an all-gather
 of a flag, because which torchrun agent gets which global ranks is decided by the
 rendezvous, not by us.
@@ -11,7 +14,11 @@ Process groups (every rank creates all of them, in the same order, as torch requ
 - the default group: gloo on CPU, "cpu:gloo,cuda:nccl" on GPU;
 - `trainer`: the trainer ranks (statistics, barriers); their FSDP/CP/EP groups and meshes
   come from parallel.dims.build_meshes, created by the trainer ranks alone;
-- `inference`: the inference ranks, a DeviceMesh with the axis "replica";
+- `inference`: the inference ranks, a DeviceMesh with the axis "replica" (tensor_parallel 1), or
+  ("replica", "tp") with one group per tp position across replicas and one per replica;
+- per replica with tensor_parallel > 1: `tp` (NCCL on GPU: the model's all-reduces and the
+  engine's per-step sample broadcast) and `tp_control` (gloo: the leader tells the others how many
+  controller messages to apply before each engine step; see runtime/inference.py);
 - `sync`: trainer rank 0 + all inference ranks, for the weight broadcast (NCCL on GPU);
 - `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
   that a receiving thread and a sending thread never share a group.
@@ -43,6 +50,22 @@ class Roles:
     controller: int
     trainers: tuple[int, ...]
     inference: tuple[int, ...]
+    tensor_parallel: int = 1
+
+    @property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """The inference ranks of each engine replica: `tensor_parallel` consecutive ones."""
+        n = self.tensor_parallel
+        return tuple(self.inference[i:i + n] for i in range(0, len(self.inference), n))
+
+    @property
+    def engines(self) -> tuple[int, ...]:
+        """The first rank of every replica: where the controller sends work and hears completions from."""
+        return tuple(replica[0] for replica in self.replicas)
+
+    def replica_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks of the replica that inference rank `rank` belongs to."""
+        return next(replica for replica in self.replicas if rank in replica)
 
     def role_of(self, rank: int) -> str:
         if rank == self.controller:
@@ -54,11 +77,13 @@ class Roles:
         raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
 
 
-def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: int, controller: int = -1) -> Roles:
+def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: int, controller: int = -1,
+                 tensor_parallel: int = 1) -> Roles:
     """Split `world_size` ranks into one controller, trainers, then inference ranks.
 
     `controller` is the global rank chosen as controller (-1 = the last rank). Trainers are the
-    first `num_trainer_ranks` other ranks in order, inference ranks the rest.
+    first `num_trainer_ranks` other ranks in order, inference ranks the rest, in replicas of
+    `tensor_parallel` consecutive ranks.
     """
     needed = 1 + num_trainer_ranks + num_inference_ranks
     if world_size != needed:
@@ -66,6 +91,9 @@ def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: i
             f"the layout needs {needed} ranks (1 controller + {num_trainer_ranks} trainer + "
             f"{num_inference_ranks} inference) but the job has {world_size}"
         )
+    if tensor_parallel < 1 or num_inference_ranks % tensor_parallel:
+        raise ValueError(f"layout.num_inference_ranks ({num_inference_ranks}) must be a multiple of "
+                         f"inference.tensor_parallel ({tensor_parallel})")
     controller = controller % world_size
     others = [r for r in range(world_size) if r != controller]
     return Roles(
@@ -73,6 +101,7 @@ def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: i
         controller=controller,
         trainers=tuple(others[:num_trainer_ranks]),
         inference=tuple(others[num_trainer_ranks:]),
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -148,6 +177,8 @@ class Layout:
     sync_group: dist.ProcessGroup | None = None
     trainer_meshes: TrainerMeshes | None = None
     inference_mesh: DeviceMesh | None = None
+    tp_group: dist.ProcessGroup | None = None
+    tp_control: dist.ProcessGroup | None = None
     down: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     up: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
@@ -158,6 +189,11 @@ class Layout:
     @property
     def is_trainer_leader(self) -> bool:
         return self.rank == self.roles.trainers[0]
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """An inference rank that speaks for its replica (every rank when tensor_parallel is 1)."""
+        return self.rank in self.roles.engines
 
 
 def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float, message_timeout_s: float,
@@ -180,6 +216,7 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
     for r in (*roles.trainers, *roles.inference):
         lay.down[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
         lay.up[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
+    tp_across = _build_tensor_parallel(lay, timeout, idle, sync_backend)
     # every rank takes part in creating the trainer's groups; only trainers get meshes
     dims = dims if dims is not None else ParallelDims.resolve(len(roles.trainers))
     lay.trainer_meshes = build_meshes(dims, list(roles.trainers), rank, device.type, timeout)
@@ -187,7 +224,12 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
         lay.trainer_group = trainer_group
     if rank in roles.inference:
         lay.inference_group = inference_group
-        lay.inference_mesh = DeviceMesh.from_group(inference_group, device.type, mesh_dim_names=("replica",))
+        if tp_across is None:
+            lay.inference_mesh = DeviceMesh.from_group(inference_group, device.type, mesh_dim_names=("replica",))
+        else:
+            lay.inference_mesh = DeviceMesh.from_group([tp_across, lay.tp_group], device.type,
+                                                       mesh=torch.tensor(roles.replicas),
+                                                       mesh_dim_names=("replica", "tp"))
     if rank == roles.trainers[0] or rank in roles.inference:
         lay.sync_group = sync_group
     # keep only the pair groups this rank is a member of
@@ -195,3 +237,29 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
         lay.down = {rank: lay.down[rank]}
         lay.up = {rank: lay.up[rank]}
     return lay
+
+
+def _build_tensor_parallel(lay: Layout, timeout: datetime.timedelta, idle: datetime.timedelta,
+                           backend: str) -> dist.ProcessGroup | None:
+    """Create the tensor-parallel groups (every rank, same order) and keep this rank's in `lay`.
+
+    Per replica: `tp` on `backend` (NCCL on GPU) and `tp_control` on gloo, whose timeout is the
+    control channels' (the followers wait on it while the replica is idle). Then, per tp position,
+    the group of that position across replicas (the "replica" axis of the inference mesh); this
+    rank's is returned (None without tensor parallelism, or on a rank outside the inference mesh).
+    """
+    roles = lay.roles
+    if roles.tensor_parallel == 1:
+        return None
+    for replica in roles.replicas:
+        tp_group = dist.new_group(list(replica), timeout=timeout, backend=backend)
+        tp_control = dist.new_group(list(replica), timeout=idle, backend="gloo")
+        if lay.rank in replica:
+            lay.tp_group, lay.tp_control = tp_group, tp_control
+    mine = None
+    for position in range(roles.tensor_parallel):
+        ranks = [replica[position] for replica in roles.replicas]
+        group = dist.new_group(ranks, timeout=timeout)
+        if lay.rank in ranks:
+            mine = group
+    return mine

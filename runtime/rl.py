@@ -24,7 +24,7 @@ from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.controller import Controller
-from meshrl.runtime.inference import run_inference
+from meshrl.runtime.inference import check_tensor_parallel_model, run_inference
 from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
                                    pick_device, use_cuda)
 from meshrl.runtime.policy import build_trainer_policy, check_model_source, compute_dtype, load_tokenizer_for
@@ -38,6 +38,7 @@ MODULE = "meshrl.runtime.rl"
 def preflight(cfg: RLConfig) -> None:
     """Checks that need no process group: model folder, world size, devices."""
     check_model_source(cfg.model)
+    check_tensor_parallel_model(cfg.inference, cfg.model)
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "rl")
@@ -66,7 +67,8 @@ def run_rank(cfg: RLConfig, run_dir: Path) -> None:
     cuda = use_cuda(cfg.dist.device)
     device = pick_device(cuda)
     rank, world = init_world(cuda, cfg.dist.timeout_s)
-    roles = assign_roles(world, cfg.layout.num_trainer_ranks, cfg.layout.num_inference_ranks, find_controller(device))
+    roles = assign_roles(world, cfg.layout.num_trainer_ranks, cfg.layout.num_inference_ranks, find_controller(device),
+                         cfg.inference.tensor_parallel)
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
     layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda,
