@@ -191,7 +191,7 @@ class InferenceConfig(Base):
     at most kv_cache_memory_fraction of the memory left free after loading the model."""
     kv_cache_memory_fraction: float = Field(0.85, gt=0, le=1)
     """Native engine: most of the GPU memory left free after loading the model that the KV cache may take."""
-    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=2)
     """Native engine: prefill tokens per step (padded batch x length); unset: max(8192, max_model_len)."""
     prefix_sharing: bool = True
     """Native engine: reuse cached prompt blocks and prefill the samples of one prompt once (copy-on-write)."""

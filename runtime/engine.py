@@ -319,8 +319,8 @@ class NativeEngine:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens or max(8192, max_model_len)
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if self.max_num_batched_tokens < 2:  # a prompt's last two tokens must fit one prefill
+            raise ValueError(f"max_num_batched_tokens must be >= 2, got {max_num_batched_tokens}")
         self.prefix_sharing = prefix_sharing
         self.detokenize = detokenize
         # A tensor-parallel replica: `model` holds this rank's shard (parallel/tensor_parallel.py)
@@ -644,6 +644,12 @@ class NativeEngine:
         def fits(n: int) -> bool:
             return not rows or (len(rows) + 1) * max(longest, n) <= self.max_num_batched_tokens
 
+        def chunk(pending: int) -> int:
+            # Never leave exactly one prompt token: a prompt must finish in a prefill, where a
+            # leader forks its followers (a decode step would sample for the leader alone).
+            n = min(pending, budget)
+            return n - 1 if pending - n == 1 else n
+
         def grow(seq: _Sequence, n: int) -> bool:
             need = math.ceil((seq.num_computed + n) / self.block_size) - len(seq.table)
             if need > self.blocks.num_free:
@@ -657,8 +663,8 @@ class NativeEngine:
             pending = len(seq.tokens) - seq.num_computed
             if budget == 0:
                 continue
-            n = min(pending, budget)
-            if not fits(n) or not grow(seq, n):
+            n = chunk(pending)
+            if not n or not fits(n) or not grow(seq, n):
                 break
             rows.append((seq, n))
             budget -= n
@@ -673,8 +679,8 @@ class NativeEngine:
             seq.table = matched
             seq.num_computed = len(matched) * self.block_size
             seq.num_registered = len(matched)
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if not fits(n) or not grow(seq, n):
+            n = chunk(len(seq.tokens) - seq.num_computed)
+            if not n or not fits(n) or not grow(seq, n):
                 self.blocks.hits -= len(matched)
                 self.blocks.release(matched)
                 seq.table, seq.num_computed = [], 0

@@ -415,6 +415,45 @@ def test_chunked_prefill_matches_whole_prefill():
     assert [c.token_ids for c in out] == [greedy_reference(model, p, 8) for p in prompts]
 
 
+@pytest.mark.parametrize("budget", [8, 9, 2])
+def test_chunked_prefill_of_a_prompt_with_samples_forks_them(budget):
+    """A chunk boundary one token before the prompt's end must not send the leader to decode
+    alone: its n samples fork and all finish (this hung before), with the greedy tokens."""
+    model = tiny_model()
+    engine = make_engine(model, max_num_batched_tokens=budget, max_num_seqs=3)
+    prompt = list(range(1, 10))  # 9 tokens: a budget of 8 left exactly one
+    engine.add(Request(0, prompt, SamplingParams(temperature=0.0, max_tokens=4, n=3)))
+    out = []
+    for _ in range(200):
+        out += engine.step()
+        engine.check()
+        if not engine.has_work():
+            break
+    assert not engine.has_work() and sorted(c.index for c in out) == [0, 1, 2]
+    assert all(c.token_ids == greedy_reference(model, prompt, 4) for c in out)
+    assert_no_leak(engine)
+
+
+def test_samples_of_a_chunked_prompt_fork_beside_another_request():
+    """Two prompts sharing a small prefill budget on a tight cache; the second one's chunks end
+    one token before its end (this hung before the fix) and its 3 samples must fork."""
+    model = tiny_model()
+    engine = make_engine(model, max_num_seqs=4, max_model_len=40, num_blocks=12, max_num_batched_tokens=6)
+    prompts = random_prompts([13, 13], seed=1)
+    engine.add(Request(0, prompts[0], SamplingParams(temperature=0.0, max_tokens=12)))
+    engine.add(Request(1, prompts[1], SamplingParams(temperature=0.0, max_tokens=8, n=3)))
+    out = []
+    for _ in range(400):
+        out += engine.step()
+        engine.check()
+        if not engine.has_work():
+            break
+    assert sorted((c.request_id, c.index) for c in out) == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    for c in out:
+        assert c.token_ids == greedy_reference(model, prompts[c.request_id], 12 if c.request_id == 0 else 8)
+    assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_scheduler_invariants_under_random_traffic(graphs):
     """Random arrivals, lengths, stop ids, n and aborts on a tight cache: every sample comes back
