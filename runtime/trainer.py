@@ -38,7 +38,8 @@ _STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", 
 
 def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.dtype) -> str:
     """"auto": torch's varlen flash kernel on GPU in bf16/fp16 (packed rows, no compile), else
-    FlexAttention on GPU, else SDPA with a document mask (CPU)."""
+    SDPA with a document mask (CPU, and GPU in fp32: compiled FlexAttention found no kernel for a
+    small fp32 model on torch 2.11 and failed inside the RL trainer, so "flex" is opt-in)."""
     if backend != "auto":
         return backend
     if device.type != "cuda":
@@ -46,7 +47,7 @@ def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.d
     from meshrl.models.common.attention import _torch_varlen_attn
 
     half = compute_dtype in (torch.bfloat16, torch.float16)
-    return "varlen" if half and _torch_varlen_attn() is not None else "flex"
+    return "varlen" if half and _torch_varlen_attn() is not None else "sdpa"
 
 
 class Trainer:

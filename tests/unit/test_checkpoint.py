@@ -389,7 +389,7 @@ def _cuda_job(rank, world, mode, root):
     dims = ParallelDims.resolve(world)
     meshes = build_meshes(dims, list(range(world)), rank, "cuda")
     model = parallelize(make_model().to(device), meshes, torch.bfloat16)
-    trainer = Trainer(model, OPTIM, device, dist.group.WORLD, meshes)
+    trainer = Trainer(model, OPTIM, device, dist.group.WORLD, meshes, compute_dtype=torch.bfloat16)
     group = dist.new_group(backend="gloo")
     saver = ckpt.TrainerCheckpointer(trainer, meshes, group, rank == 0, CheckpointConfig(),
                                      {"kind": "rl", "layout": ckpt.layout_info(dims, world)})
