@@ -1,7 +1,10 @@
 """Paged KV cache for the native engine: blocks, block tables, prefix cache, paged attention.
 
 Storage. One tensor holds every layer's keys and values, shaped
-(n_layers, 2, num_blocks, block_size, Hkv, D). A sequence owns a *block table*: the list of
+(n_layers, 2, Hkv, num_blocks, block_size, D): head-major, so one head's keys of a block are
+contiguous and a gather by block table gives (Hkv, B, L, D) that batched matmuls take without
+a transposing copy (about half of a CPU decode step went into that copy). `KVCache.layer` hands
+out (num_blocks, block_size, Hkv, D) views of it. A sequence owns a *block table*: the list of
 block ids holding its positions 0.., block_size positions per block. Block 0 is the null
 block: it is never handed out, padded rows write their garbage k/v there and padded table
 entries point at it, so fixed-shape (CUDA-graph) batches need no branches.
@@ -195,7 +198,7 @@ class BlockManager:
 
 
 class KVCache:
-    """The k/v storage: (n_layers, 2, num_blocks, block_size, Hkv, D) in the model dtype.
+    """The k/v storage: (n_layers, 2, Hkv, num_blocks, block_size, D) in the model dtype.
 
     layer_ids: the ids the model passes to `attend`, in the order of the storage's first dim.
     """
@@ -205,7 +208,7 @@ class KVCache:
         self.index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.data = torch.zeros((len(layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim),
+        self.data = torch.zeros((len(layer_ids), 2, num_kv_heads, num_blocks, block_size, head_dim),
                                 dtype=dtype, device=device)
 
     @staticmethod
@@ -213,47 +216,48 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
-        """(k, v) of one layer, each (num_blocks, block_size, Hkv, D)."""
+        """(k, v) of one layer, each a (num_blocks, block_size, Hkv, D) view of the head-major storage."""
         kv = self.data[self.index[layer_id]]
-        return kv[0], kv[1]
+        return kv[0].permute(1, 2, 0, 3), kv[1].permute(1, 2, 0, 3)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
         if src:
             s = torch.tensor(src, device=self.data.device)
             d = torch.tensor(dst, device=self.data.device)
-            self.data[:, :, d] = self.data[:, :, s]
+            self.data[:, :, :, d] = self.data[:, :, :, s]
 
 
 # ---------------------------------------------------------------------------- attention
 
 
 def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
-    """cache (num_blocks, bs, Hkv, D), tables (B, nb) -> (B, Hkv, nb * bs, D) keys in position order."""
-    B, nb = tables.shape
-    _, bs, num_kv_heads, head_dim = cache.shape
-    return cache[tables].view(B, nb * bs, num_kv_heads, head_dim).transpose(1, 2)
+    """cache (num_blocks, bs, Hkv, D) (a view of any layout), tables (B, nb) -> (Hkv, B, nb * bs, D)
+    keys in position order, head-major (no copy beyond the gather on the engine's storage)."""
+    return cache.permute(2, 0, 1, 3)[:, tables].flatten(2, 3)
 
 
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q (B, Hq, T, D), k/v (B, Hkv, L, D), mask (B, 1, T, L) bool -> (B, Hq, T, D).
+    """q (B, Hq, T, D), k/v (Hkv, B, L, D) head-major, mask (B, 1, T, L) bool -> (B, Hq, T, D).
 
     The Hq / Hkv query heads that share a kv head are stacked along the query length, so a
-    masked (memory-efficient) kernel runs GQA without repeating k/v.
+    masked (memory-efficient) kernel runs GQA without repeating k/v; (kv head, row) are the
+    batch dims, in the order the head-major keys already have.
     """
     B, num_q_heads, T, D = q.shape
-    group = num_q_heads // k.shape[1]
-    qf = q.reshape(B, k.shape[1], group * T, D)  # head h = kv_head * group + j -> rows j * T + t
-    maskf = mask.repeat(1, 1, group, 1) if group > 1 else mask
+    num_kv_heads = k.shape[0]
+    group = num_q_heads // num_kv_heads
+    qf = q.reshape(B, num_kv_heads, group * T, D).transpose(0, 1)  # head h = kv_head * group + j -> rows j * T + t
+    maskf = (mask.repeat(1, 1, group, 1) if group > 1 else mask).transpose(0, 1)  # (1, B, group * T, L)
     if group * T <= 8:
         # A few query rows (decode): plain matmuls with an fp32 softmax run ~10x faster on CPU
         # than SDPA's masked kernels, which are built for long query blocks.
-        scores = (qf @ k.transpose(-1, -2)).float() * D**-0.5  # (B, Hkv, group * T, L)
+        scores = (qf @ k.transpose(-1, -2)).float() * D**-0.5  # (Hkv, B, group * T, L)
         weights = torch.softmax(scores.masked_fill(~maskf, float("-inf")), dim=-1)
         out = weights.to(v.dtype) @ v
     else:
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf)
-    return out.view(B, num_q_heads, T, D)
+    return out.transpose(0, 1).reshape(B, num_q_heads, T, D)
 
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
@@ -262,11 +266,19 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, table
 
     Query at position p sees cached keys 0..p of its row (causal within the new tokens).
     """
-    keys = gather_blocks(k_cache, tables)  # (B, Hkv, L, D)
+    keys = gather_blocks(k_cache, tables)  # (Hkv, B, L, D)
     values = gather_blocks(v_cache, tables)
     key_pos = torch.arange(keys.shape[2], device=q.device)
     mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, L)
     return grouped_sdpa(q, keys, values, mask)
+
+
+def write_slots(cache: Tensor, slots: Tensor, x: Tensor) -> None:
+    """Store x (B, Hkv, T, D) at the flat slots (B * T,) of a (num_blocks, bs, Hkv, D) view of
+    head-major storage (view() fails loudly on any other layout instead of writing to a copy)."""
+    num_kv_heads, head_dim = x.shape[1], x.shape[3]
+    storage = cache.permute(2, 0, 1, 3).view(num_kv_heads, -1, head_dim)  # (Hkv, num_blocks * bs, D)
+    storage.index_copy_(1, slots, x.transpose(0, 1).reshape(num_kv_heads, -1, head_dim))
 
 
 class PagedAttention:
@@ -294,10 +306,9 @@ class PagedAttention:
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); k/v are written to the cache first."""
         k_cache, v_cache = self.cache.layer(layer_id)
-        num_kv_heads, head_dim = k.shape[1], k.shape[3]
         flat = self.slots.reshape(-1)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat, k.transpose(1, 2).reshape(-1, num_kv_heads, head_dim))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, num_kv_heads, head_dim))
+        write_slots(k_cache, flat, k)
+        write_slots(v_cache, flat, v)
         if self.fresh:
             # Right padding sits after every real token, so causal attention never reads it.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

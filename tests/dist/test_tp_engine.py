@@ -107,7 +107,7 @@ def _engine_job(rank, world_size, out):
         assert wq.weight.shape == (2 * 16, 64)  # 2 of the 4 query heads
         for name, settings in ENGINE_SETTINGS.items():
             engine = make_engine(model, group, **settings)
-            assert engine.kv.data.shape[-2] == 1  # the cache holds this rank's 1 of the 2 kv heads
+            assert engine.kv.data.shape[2] == 1  # the cache holds this rank's 1 of the 2 kv heads
             torch.save(as_rows(run(engine, scenario())), out / f"{family}-{name}-rank{rank}.pt")
 
 

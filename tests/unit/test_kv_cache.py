@@ -97,9 +97,9 @@ def test_copy_on_write_only_when_shared():
     blocks.check()
 
     cache = KVCache([0, 1], num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3, dtype=torch.float32, device="cpu")
-    cache.data[:, :, block] = torch.randn(2, 2, 2, 1, 3)
+    cache.data[:, :, :, block] = torch.randn(2, 2, 1, 2, 3)
     cache.copy_blocks([block], [mine[0]])
-    assert torch.equal(cache.data[:, :, mine[0]], cache.data[:, :, block])
+    assert torch.equal(cache.data[:, :, :, mine[0]], cache.data[:, :, :, block])
 
 
 def scatter_into_blocks(k: torch.Tensor, block_size: int, num_blocks: int, seed: int):
@@ -136,7 +136,8 @@ def test_grouped_sdpa_equals_repeated_kv(T):
     mask = torch.rand(2, 1, T, 7) > 0.3
     mask[..., 0] = True
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
-    assert torch.allclose(grouped_sdpa(q, k, v, mask), ref, atol=1e-6)
+    head_major = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # (Hkv, B, L, D)
+    assert torch.allclose(grouped_sdpa(q, *head_major, mask), ref, atol=1e-6)
 
 
 def test_paged_attention_context_writes_slots_then_attends():
