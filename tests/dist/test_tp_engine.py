@@ -23,6 +23,7 @@ from meshrl.parallel.tensor_parallel import (ColwiseLinear, RowwiseLinear, check
 from meshrl.runtime import weight_sync
 from meshrl.runtime.engine import Completion, NativeEngine, Request, SamplingParams
 from tests.dist.multirank import run_ranks
+from tests.random_models import scaled_random_model
 
 VOCAB = 96
 FAMILIES = {
@@ -35,18 +36,9 @@ BUCKET_MB = 0.01  # several buckets even for the tiny model
 
 
 def make_model(family: str, seed: int = 0) -> nn.Module:
-    """A random fp32 model; matrices scaled 8x from init_weights() so that greedy decoding does
-    not just echo its input (see tests/unit/test_engine.py)."""
+    """A random fp32 model of the family, matrices scaled 8x (tests/random_models.py)."""
     cls, args = FAMILIES[family]
-    with torch.device("meta"):
-        model = cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(8.0)
-    return model
+    return scaled_random_model(cls, args, seed)
 
 
 def make_engine(model: nn.Module, tp_group=None, **kwargs) -> NativeEngine:

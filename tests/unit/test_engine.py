@@ -20,6 +20,7 @@ from meshrl.runtime.engine import (
     generate,
 )
 from meshrl.runtime.sampling import StaticSamplingBatch
+from tests.random_models import scaled_random_model
 
 VOCAB = 96
 
@@ -32,20 +33,8 @@ def tiny_args() -> Qwen3Args:
 
 
 def tiny_model(seed: int = 0) -> Qwen3:
-    """A random fp32 2-layer Qwen3 with GQA (4 query heads on 2 kv heads).
-
-    Weight matrices are scaled up 8x from init_weights(): at std 0.02 the model just echoes its
-    last token, which would make greedy parity tests vacuous.
-    """
-    with torch.device("meta"):
-        model = Qwen3(tiny_args())
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(8.0)
-    return model
+    """A random fp32 2-layer Qwen3 with GQA (4 query heads on 2 kv heads), matrices scaled 8x."""
+    return scaled_random_model(Qwen3, tiny_args(), seed)
 
 
 def make_engine(model: Qwen3, max_num_seqs: int = 2, max_model_len: int = 64, **kwargs) -> NativeEngine:
