@@ -810,12 +810,7 @@ class NativeEngine:
         else:
             rows.push(B)
             tokens, logprobs = sample(self._decode_forward(B, nb), self._sampling_batch, rows.inputs[3, :B, 0])
-        # fp32 logprobs and token ids are exact in float64: one buffer, one device-to-host copy.
-        out = torch.empty((2, B), dtype=torch.float64, device=self.device)
-        out[0].copy_(tokens)
-        out[1].copy_(logprobs)
-        if self.tp_group is not None:  # every rank of the replica feeds and appends rank 0's tokens
-            torch.distributed.broadcast(out, group=self.tp_group, group_src=0)
+        out = self._samples(tokens, logprobs)  # (2, B); every rank of a TP replica feeds rank 0's tokens
         rows.last[:B].copy_(out[0])
         event = None
         if self.device.type == "cuda":
@@ -922,16 +917,21 @@ class NativeEngine:
                 finished.append(self._finish(seq, reason))
         return finished
 
-    def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The step's one device-to-host transfer (fp32 logprobs and token ids are exact in float64).
-        In a tensor-parallel replica the group's first rank's samples are broadcast first, so every
-        rank appends the same tokens and its scheduler stays in lockstep with the others."""
+    def _samples(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """tokens, logprobs (B,) -> one (2, B) float64 device buffer (fp32 logprobs and token ids are
+        exact in it: one device-to-host copy). In a tensor-parallel replica the group's first
+        rank's samples are broadcast, so every rank appends the same tokens and its scheduler stays
+        in lockstep with the others."""
         out = torch.empty((2, tokens.shape[0]), dtype=torch.float64, device=self.device)
         out[0].copy_(tokens)
         out[1].copy_(logprobs)
         if self.tp_group is not None:
             torch.distributed.broadcast(out, group=self.tp_group, group_src=0)
-        out = out.cpu()
+        return out
+
+    def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+        """`_samples` copied to the host and waited for (the prefill's samples)."""
+        out = self._samples(tokens, logprobs).cpu()
         return out[0].long().tolist(), out[1].tolist()
 
     def _finish_reason(self, seq: _Sequence) -> FinishReason | None:

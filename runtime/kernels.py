@@ -127,9 +127,14 @@ def _kernels():
     return decode, merge, chunk_stats
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Key-range splits per (row, kv head): enough programs for ~4 per SM, at most one tile each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _multiprocessors(device) if device.type == "cuda" else 8
     wanted = math.ceil(4 * sms / (batch * num_kv_heads))
     return max(1, min(wanted, math.ceil(max_len / TILE)))
 

@@ -28,6 +28,7 @@ get one from the engine's RNG when they are added.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -294,28 +295,19 @@ def _sample_full(logits: Tensor, batch: SamplingBatch, counters: Tensor) -> tupl
     cmax, csum, carg = _chunk_stats(logits, batch.divisor, C)  # (B, n) each
     peak = cmax.amax(dim=1, keepdim=True)  # (B, 1)
     mass = csum.double() * (cmax - peak).double().exp()  # (B, n) in float64
-    total = mass.sum(dim=1, keepdim=True)
     if batch.any_greedy or batch.all_greedy:
         first = (cmax == peak).int().argmax(dim=1, keepdim=True)  # the first chunk holding the max
         argmax = (first * C + carg.gather(1, first)).squeeze(1)
     if batch.all_greedy:
         tokens = argmax
     else:
-        target = _uniform_from_keys(batch.seed_keys, counters)[:, None] * total  # (B, 1)
-        cdf = mass.cumsum(dim=1)
-        chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
-        base = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
-        index = chunk * C + torch.arange(C, device=logits.device)  # (B, C)
-        x = logits.gather(1, index.clamp(max=V - 1)).double() / batch.divisor[:, None]
-        weights = (x - peak).exp().masked_fill_(index >= V, 0.0)
-        pos = torch.searchsorted(weights.cumsum(dim=1).add_(base), target, right=True)
-        # The chunk's mass and this cumsum round differently: a target in the chunk's last ulps
-        # may pass its end; take its last token with mass then.
-        last = torch.where(weights > 0, torch.arange(C, device=logits.device), -1).amax(dim=1, keepdim=True)
-        drawn = (chunk * C + torch.minimum(pos, last)).squeeze(1)
+        def weights_at(index: Tensor) -> Tensor:  # exp(x - max) of the drawn chunk, as mass counts it
+            return (logits.gather(1, index).double() / batch.divisor[:, None] - peak).exp()
+
+        drawn = _draw(mass, _uniform_from_keys(batch.seed_keys, counters), C, V, weights_at)
         tokens = torch.where(batch.greedy, argmax, drawn) if batch.any_greedy else drawn
     x = logits.gather(1, tokens[:, None]).float() / batch.divisor[:, None]
-    return tokens, ((x - peak) - total.log().float()).squeeze(1)
+    return tokens, ((x - peak) - mass.sum(dim=1, keepdim=True).log().float()).squeeze(1)
 
 
 _CHUNK = 1024
@@ -334,15 +326,22 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     sums = [probs[:, :full * C].view(B, full, C).sum(-1, dtype=torch.float64)]  # (B, full)
     if full * C < V:
         sums.append(probs[:, full * C:].sum(-1, keepdim=True, dtype=torch.float64))
-    cdf = torch.cat(sums, dim=1).cumsum_(dim=1)  # (B, n) mass up to the end of each chunk
+    return _draw(torch.cat(sums, dim=1), u, C, V, lambda index: probs.gather(1, index).double())
+
+
+def _draw(mass: Tensor, u: Tensor, C: int, V: int, weights_at: Callable[[Tensor], Tensor]) -> Tensor:
+    """The two-level inverse-CDF draw. mass (B, n) float64: each C-token chunk's mass; u (B,)
+    float64 in [0, 1); weights_at(index (B, C)) -> those tokens' float64 weights, on the same
+    scale as mass -> (B,) int64, the first token whose cumulative mass exceeds u times the total."""
+    cdf = mass.cumsum(dim=1)  # (B, n) mass up to the end of each chunk
     target = (u * cdf[:, -1])[:, None]  # (B, 1)
     chunk = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
     base = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)  # mass before the chunk
-    index = chunk * C + torch.arange(C, device=probs.device)  # (B, C)
-    values = probs.gather(1, index.clamp(max=V - 1)).masked_fill_(index >= V, 0.0)
-    within = values.double().cumsum_(dim=1).add_(base)
-    pos = torch.searchsorted(within, target, right=True)  # (B, 1) in [0, C]
-    # Summation order differs between the chunk sums and this cumsum: a target in the last ulps
-    # of the chunk may pass its end; take the chunk's last token with mass then.
-    last = torch.where(values > 0, torch.arange(C, device=probs.device), -1).amax(dim=1, keepdim=True)
+    arange = torch.arange(C, device=mass.device)
+    index = chunk * C + arange  # (B, C)
+    weights = weights_at(index.clamp(max=V - 1)).masked_fill_(index >= V, 0.0)
+    pos = torch.searchsorted(weights.cumsum(dim=1).add_(base), target, right=True)  # (B, 1) in [0, C]
+    # The chunk masses and this cumsum sum in different orders: a target in the chunk's last ulps
+    # may pass its end; take the chunk's last token with mass then.
+    last = torch.where(weights > 0, arange, -1).amax(dim=1, keepdim=True)
     return (chunk * C + torch.minimum(pos, last)).squeeze(1)
