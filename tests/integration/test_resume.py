@@ -117,7 +117,10 @@ def test_a_killed_rank_restarts_by_itself_and_finishes_like_an_uninterrupted_run
     # the logs say what happened; the failed attempt's errors are kept apart
     logs = run / "logs"
     assert "restart 1] INFO loaded the trainer state" in (logs / "rank0-trainer.log").read_text()
-    assert list(logs.glob("restart0-error-rank*.txt")) and not list(logs.glob("error-rank*.txt"))
+    # Whether a surviving rank raised (and wrote an error file) before torchrun stopped it is a
+    # race; what must hold is that none is left under the current attempt's name.
+    # (The renaming itself: tests/unit/test_checkpoint.py test_a_restart_archives_earlier_error_files.)
+    assert not list(logs.glob("error-rank*.txt"))
     assert ckpt_steps(run) == [20, 24]  # keep_last = 2
     print(f"killed-and-restarted run of {num_steps} steps: {elapsed:.1f}s")
 

@@ -419,3 +419,22 @@ def test_cuda_trainer_state_saves_asynchronously_and_reshards(tmp_path):
     assert saved.keys() == loaded.keys()
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_a_restart_archives_earlier_error_files(tmp_path, monkeypatch):
+    """A restarted rank renames its earlier attempt's error file, so the launcher's report names
+    only errors of the last attempt; a first attempt leaves it alone."""
+    from meshrl.runtime.launch import archive_error
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "error-rank2.txt").write_text("rank 2 (inference)\nTraceback ...")
+    archive_error(tmp_path, 2)  # attempt 0: nothing to archive
+    assert (logs / "error-rank2.txt").is_file()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    archive_error(tmp_path, 2)
+    assert not (logs / "error-rank2.txt").exists() and (logs / "restart0-error-rank2.txt").is_file()
+    (logs / "error-rank2.txt").write_text("rank 2 (inference) in restart 1\nTraceback ...")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    archive_error(tmp_path, 2)
+    assert (logs / "restart1-error-rank2.txt").is_file() and (logs / "restart0-error-rank2.txt").is_file()
