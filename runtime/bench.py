@@ -67,7 +67,7 @@ def bench_rl(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "trainer":
-        from meshrl.runtime import bench_trainer
+        from meshrl.runtime.train import bench as bench_trainer
 
         bench_trainer.main(argv[1:])
         return

@@ -4,7 +4,7 @@ Each training sub-command validates its config on this process (a mistake exits 
 before any process group exists), then starts torchrun with the rank module on the resolved
 config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`; `eval` runs in this
 process (runtime/eval.py). `bench` and
-`plot` live in their own modules (runtime/bench.py, runtime/bench_engine.py, runtime/plot.py), imported on use.
+`plot` live in their own modules (runtime/bench.py, runtime/engine/bench.py, runtime/plot.py), imported on use.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
     if command == "bench" and rest[:1] == ["engine"]:
-        from meshrl.runtime import bench_engine
+        from meshrl.runtime.engine import bench as bench_engine
 
         bench_engine.main(rest[1:])
         return

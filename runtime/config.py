@@ -430,7 +430,7 @@ _UNION_TAGS = {"reverse-text", "alphabet-sort", "multiturn-sort", "wordle", "ari
 
 
 class EpisodesConfig(Base):
-    """How environment work (starting, stepping, scoring episodes) runs; see runtime/episodes.py."""
+    """How environment work (starting, stepping, scoring episodes) runs; see runtime/rollout/episodes.py."""
 
     workers: int = Field(4, ge=1)
     """Worker threads for environment calls (a verifiers harness episode holds one while it runs)."""
@@ -443,7 +443,7 @@ class EpisodesConfig(Base):
 
 
 class EvalSettings(Base):
-    """Evaluation: held-out examples, n samples each, mean reward and pass@k (runtime/eval.py)."""
+    """Evaluation: held-out examples, n samples each, mean reward and pass@k (runtime/rollout/evals.py)."""
 
     every: int = Field(0, ge=0)
     """`meshrl rl`: evaluate the policy every this many steps and at the end (0 = off); results are logged

@@ -1,259 +1,55 @@
-"""Evaluation: `meshrl eval @ cfg.toml`, and the summary shared with online evals in `meshrl rl`.
+"""The `meshrl eval @ cfg.toml` program: evaluate a checkpoint on environments, in one process.
 
-`meshrl eval` runs in one process (no torchrun): it loads the checkpoint (model.path, an HF
-folder) into the native engine, plays ``eval.samples_per_prompt`` episodes of each of
-``eval.num_examples`` held-out examples (``env.example(eval.example_offset + i)``) through the
-same `EpisodeDriver` as RL (multi-turn and tools included), prints the summary as one JSON
-object on stdout and writes ``OUTPUT_DIR/results.json`` and ``OUTPUT_DIR/samples.jsonl`` (one
-row per sample).
-
-Summary keys (`EvalCollector.summary`; `meshrl rl` logs them with an ``eval/`` prefix):
-
-    reward                mean reward of the samples that did not fail
-    pass@k                mean over examples of the unbiased estimate 1 - C(n-c, k) / C(n, k)
-                          from n samples of which c passed (reward >= eval.pass_threshold)
-    failed                samples whose environment failed (they count as not passed)
-    completion_len        mean sampled tokens per episode
-    env/<name>/reward, env/<name>/pass@k, env/<name>/<component>, env/<name>/<metric>
-                          the same per environment (one entry per environment of a mix)
-    num_examples, num_samples
+It loads the checkpoint (model.path, an HF folder) into the native engine, plays
+``eval.samples_per_prompt`` episodes of each of ``eval.num_examples`` held-out examples
+(``env.example(eval.example_offset + i)``) through the same `EpisodeDriver` as RL (multi-turn and
+tools included), prints the summary as one JSON object on stdout and writes
+``OUTPUT_DIR/results.json`` and ``OUTPUT_DIR/samples.jsonl`` (one row per sample). The episodes
+and the summary's keys live in runtime/rollout/evals.py, which online evals in `meshrl rl` share.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import queue
-import random
-import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from meshrl.runtime.episodes import EpisodeDriver, EpisodeResult, Generate
+import torch
 
-__all__ = ["EvalCollector", "evaluate", "launch", "pass_at_k", "preflight", "run_eval"]
+from meshrl.envs import make_env
+from meshrl.runtime import launch as launching
+from meshrl.runtime.config import EvalConfig
+from meshrl.runtime.engine.build import build_native_engine
+from meshrl.runtime.layout import use_cuda
+from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
+from meshrl.runtime.rollout.episodes import EpisodeDriver
+from meshrl.runtime.rollout.evals import EvalCollector, evaluate
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c passing: 1 - C(n-c, k) / C(n, k)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-class EvalCollector:
-    """Gathers the episodes of one evaluation and summarises them (see the module docstring)."""
-
-    def __init__(self, num_examples: int, samples_per_prompt: int, pass_k: list[int], pass_threshold: float):
-        self.num_examples, self.n = num_examples, samples_per_prompt
-        self.pass_k, self.threshold = list(pass_k), pass_threshold
-        self.results: dict[tuple[int, int], EpisodeResult] = {}
-
-    @property
-    def done(self) -> bool:
-        return len(self.results) == self.num_examples * self.n
-
-    def add(self, example: int, sample: int, result: EpisodeResult) -> None:
-        self.results[example, sample] = result
-
-    def passed(self, r: EpisodeResult) -> bool:
-        return not r.failed and r.reward is not None and r.reward.total >= self.threshold
-
-    def summary(self) -> dict[str, float]:
-        by_env: dict[str, list[int]] = defaultdict(list)
-        for i in range(self.num_examples):
-            by_env[self.results[i, 0].env].append(i)
-        out = self._summarise(list(range(self.num_examples)))
-        for env, examples in sorted(by_env.items()):
-            for key, value in self._summarise(examples, components=True).items():
-                out[f"env/{env}/{key}"] = value
-        out["num_examples"], out["num_samples"] = self.num_examples, len(self.results)
-        return out
-
-    def _summarise(self, examples: list[int], components: bool = False) -> dict[str, float]:
-        rows = [self.results[i, j] for i in examples for j in range(self.n)]
-        ok = [r for r in rows if not r.failed and r.reward is not None]
-        out = {"reward": statistics.fmean(r.reward.total for r in ok) if ok else 0.0,
-               "failed": float(len(rows) - len(ok)),
-               "completion_len": statistics.fmean(r.num_sampled for r in rows) if rows else 0.0}
-        for k in self.pass_k:
-            out[f"pass@{k}"] = statistics.fmean(
-                pass_at_k(self.n, sum(self.passed(self.results[i, j]) for j in range(self.n)), k) for i in examples)
-        if components:
-            names: dict[str, list[float]] = defaultdict(list)
-            for r in ok:
-                for name, value in {**r.reward.components, **r.reward.metrics}.items():
-                    names[name].append(value)
-            for name, values in sorted(names.items()):
-                out.setdefault(name, statistics.fmean(values))
-        return out
-
-    def sample_rows(self, tokenizer: Any) -> list[dict[str, Any]]:
-        """One JSON-ready row per sample, for a person to read."""
-        rows = []
-        for (i, j), r in sorted(self.results.items()):
-            rows.append({"example": i, "sample": j, "env": r.env, "index": r.example.index, "prompt": r.example.prompt,
-                         "answer": r.example.answer, "completion": tokenizer.decode(r.token_ids),
-                         "reward": r.reward.total if r.reward is not None else None,
-                         "components": r.reward.components if r.reward is not None else {},
-                         "metrics": r.reward.metrics if r.reward is not None else {},
-                         "passed": self.passed(r), "failed": r.failed, "error": r.error.splitlines()[0] if r.error else "",
-                         "finish_reason": r.finish_reason, "turns": r.turns})
-        return rows
+__all__ = ["launch", "preflight", "run_eval"]
 
 
-class OnlineEval:
-    """Evaluations during `meshrl rl` (eval.every > 0), run by the controller on the inference ranks.
-
-    When the trainer announces weights of version v with v % every == 0 or v == max_steps, the
-    controller starts the evaluation episodes (keys ("eval", v, i, j)) on the inference ranks,
-    in between the training rollouts, with the eval sampling settings; their requests carry the
-    eval temperature and so travel in messages of their own. The summary is logged with an
-    ``eval/`` prefix on the metrics row of step v - 1 (the step that produced version v): that
-    row, and the rows after it, are held back until the evaluation finishes, so metrics.jsonl
-    keeps one row per step in order. Samples go to RUN_DIR/eval/step_{v-1}.jsonl.
-    """
-
-    def __init__(self, settings, env, max_steps: int, seed: int, tokenizer, run_dir: Path):
-        self.settings, self.env, self.max_steps, self.seed = settings, env, max_steps, seed
-        self.tokenizer, self.run_dir = tokenizer, run_dir
-        self.running: dict[int, EvalCollector] = {}  # version -> its collector
-        self.finished: dict[int, dict[str, float]] = {}  # step -> eval metrics not yet on a row
-        self.held: list[dict[str, Any]] = []
-
-    def due(self, version: int) -> bool:
-        every = self.settings.every
-        return every > 0 and version > 0 and (version % every == 0 or version == self.max_steps)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running)
-
-    def start(self, version: int, router, ranks: list[int]) -> None:
-        """Start the episodes of the evaluation of weights ``version`` (router: episodes.TurnRouter)."""
-        s = self.settings
-        collector = EvalCollector(s.num_examples, s.samples_per_prompt, s.pass_k, s.pass_threshold)
-        self.running[version] = collector
-        for i in range(s.num_examples):
-            example = self.env.example(s.example_offset + i)
-            rank = ranks[i % len(ranks)]
-            for j in range(s.samples_per_prompt):
-                seed = (lambda i, j: lambda turn: sample_seed(self.seed, version, i, j, turn))(i, j)
-                router.start(("eval", version, i, j), self.env, example, rank, s.temperature, seed, s.max_tokens)
-
-    def add(self, result: EpisodeResult) -> list[dict[str, Any]]:
-        """Record a finished evaluation episode; returns the metrics rows that may now be written."""
-        _, version, i, j = result.key
-        collector = self.running[version]
-        collector.add(i, j, result)
-        if not collector.done:
-            return []
-        del self.running[version]
-        step = version - 1
-        self.finished[step] = {f"eval/{k}": v for k, v in collector.summary().items()}
-        folder = self.run_dir / "eval"
-        folder.mkdir(parents=True, exist_ok=True)
-        with (folder / f"step_{step}.jsonl").open("w") as f:
-            for row in collector.sample_rows(self.tokenizer):
-                f.write(json.dumps(row) + "\n")
-        return self._release()
-
-    def hold(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Queue a step's metrics row; returns the rows that may now be written, in order."""
-        self.held.append(row)
-        return self._release()
-
-    def _release(self) -> list[dict[str, Any]]:
-        ready = []
-        while self.held:
-            step = self.held[0]["step"]
-            if step + 1 in self.running:  # its evaluation is still going
-                break
-            row = self.held.pop(0)
-            row.update(self.finished.pop(step, {}))
-            ready.append(row)
-        return ready
-
-
-def sample_seed(seed: int, tag: Any, example: int, sample: int, turn: int) -> int:
-    """Sampling seed of one turn of one evaluation episode."""
-    return random.Random(f"eval:{seed}:{tag}:{example}:{sample}:{turn}").getrandbits(62)
-
-
-def evaluate(engine, driver: EpisodeDriver, events: queue.Queue, env, examples: list, collector: EvalCollector,
-             temperature: float, seed: int, max_tokens: int | None = None) -> None:
-    """Play every (example, sample) episode on a local engine until all have finished."""
-    from meshrl.runtime.engine import Request, SamplingParams
-
-    for i, example in enumerate(examples):
-        for j in range(collector.n):
-            driver.start((i, j), env, example, max_tokens)
-    keys: dict[int, tuple[int, int]] = {}
-    next_id = 0
-    while not collector.done:
-        pending = []
-        try:
-            while True:
-                pending.append(events.get_nowait())
-        except queue.Empty:
-            pass
-        if not pending and not engine.has_work():
-            pending.append(events.get())
-        for event in pending:
-            action = driver.handle(event)
-            if isinstance(action, Generate):
-                i, j = action.key
-                sampling = SamplingParams(temperature=temperature, max_tokens=action.max_tokens,
-                                          stop_token_ids=action.stop_token_ids,
-                                          seed=sample_seed(seed, "local", i, j, action.turn))
-                engine.add(Request(next_id, action.prompt_ids, sampling))
-                keys[next_id] = action.key
-                next_id += 1
-            elif isinstance(action, EpisodeResult):
-                collector.add(*action.key, action)
-        if engine.has_work():
-            for c in engine.step():
-                driver.on_completion(keys.pop(c.request_id), c.token_ids, c.logprobs, c.versions, c.finish_reason)
-
-
-def preflight(cfg) -> None:
-    from meshrl.runtime.policy import check_model_source
-
+def preflight(cfg: EvalConfig) -> None:
     check_model_source(cfg.model)
 
 
-def run_eval(cfg) -> dict[str, Any]:
+def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate cfg.model on cfg.env (or cfg.eval.env); write results.json and samples.jsonl; return the summary."""
-    import torch
-
-    from meshrl.envs import make_env
-    from meshrl.runtime.engine import NativeEngine
-    from meshrl.runtime.layout import use_cuda
-    from meshrl.runtime.policy import build_policy, compute_dtype, load_tokenizer_for
-
     start = time.perf_counter()
     device = torch.device("cuda") if use_cuda(cfg.dist.device) else torch.device("cpu")
     dtype = compute_dtype(cfg.model, device)
     tokenizer = load_tokenizer_for(cfg.model)
     model, _ = build_policy(cfg.model, device, dtype, tokenizer=tokenizer)
-    inf = cfg.inference
-    engine = NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
-                          dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
-                          kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
-                          max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
-                          cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention, seed=cfg.seed)
+    engine = build_native_engine(cfg.inference, cfg.model, device, dtype, cfg.seed, model=model)
     settings = cfg.eval
     env_cfg = settings.env or cfg.env
     env = make_env(env_cfg.name, **env_cfg.kwargs())
     events: queue.Queue = queue.Queue()
-    max_tokens = settings.max_tokens or inf.sampling.max_tokens
-    driver = EpisodeDriver(tokenizer, max_tokens=max_tokens, max_model_len=inf.max_model_len, post=events.put,
-                           num_workers=cfg.episodes.workers, timeout_s=cfg.episodes.timeout_s,
+    max_tokens = settings.max_tokens or cfg.inference.sampling.max_tokens
+    driver = EpisodeDriver(tokenizer, max_tokens=max_tokens, max_model_len=cfg.inference.max_model_len,
+                           post=events.put, num_workers=cfg.episodes.workers, timeout_s=cfg.episodes.timeout_s,
                            score_memory_mb=cfg.episodes.score_memory_mb, name="eval-env")
     examples = [env.example(settings.example_offset + i) for i in range(settings.num_examples)]
     collector = EvalCollector(settings.num_examples, settings.samples_per_prompt, settings.pass_k,
@@ -270,7 +66,7 @@ def run_eval(cfg) -> dict[str, Any]:
     return summary
 
 
-def launch(cfg) -> int:
+def launch(cfg: EvalConfig) -> int:
     """`meshrl eval`: run in this process, print the summary as JSON; returns the exit code."""
     summary = run_eval(cfg)
     print(json.dumps(summary), flush=True)
@@ -278,9 +74,6 @@ def launch(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from meshrl.runtime import launch as launching
-    from meshrl.runtime.config import EvalConfig
-
     cfg, _ = launching.parse_or_exit(EvalConfig, sys.argv[1:] if argv is None else argv, preflight)
     sys.exit(launch(cfg))
 

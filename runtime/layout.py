@@ -18,7 +18,7 @@ Process groups (every rank creates all of them, in the same order, as torch requ
   ("replica", "tp") with one group per tp position across replicas and one per replica;
 - per replica with tensor_parallel > 1: `tp` (NCCL on GPU: the model's all-reduces and the
   engine's per-step sample broadcast) and `tp_control` (gloo: the leader tells the others how many
-  controller messages to apply before each engine step; see runtime/inference.py);
+  controller messages to apply before each engine step; see runtime/engine/loop.py);
 - `sync`: trainer rank 0 + all inference ranks, for the weight broadcast (NCCL on GPU);
 - `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
   that a receiving thread and a sending thread never share a group.

@@ -69,6 +69,19 @@ def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = to
     return model.to(dtype), args
 
 
+def policy_skeleton(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object, object, str | None]:
+    """(the model on the meta device, its state-dict adapter, its args, its HF folder or None):
+    the family and args `build_policy` would use, without reading or initialising weights."""
+    if cfg.path is not None:
+        model, args, adapter = build_hf_skeleton(cfg.path, cfg.impl, dtype)
+        return model, adapter, args, cfg.path
+    family = get_family(cfg.family)
+    args = dataclasses.replace(family.flavors[cfg.flavor], vocab_size=len(load_tokenizer_for(cfg)))
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    return model.to(dtype), family.state_dict_adapter(args), args, None
+
+
 def build_trainer_policy(cfg: ModelConfig, device: torch.device, shard: Callable[[nn.Module], nn.Module],
                          tokenizer=None):
     """The trainer's policy, already parallelized by `shard` (e.g. parallel.parallelize). Returns (model, args).

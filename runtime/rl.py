@@ -1,8 +1,10 @@
 """The RL rank program: `torchrun --nproc-per-node N -m meshrl.runtime.rl @ cfg.toml`.
 
 Every rank runs `main`: validate the config, start the default group, agree on roles, build
-the groups and meshes, then run its role: `Controller.run`, `run_trainer` or
-`run_inference`. From Python, `launch(RLConfig(...))` starts the whole job under torchrun.
+the groups and meshes, then run its role's loop: the controller (runtime/rollout/controller.py),
+a trainer rank (runtime/train/loop.py) or an inference rank (runtime/engine/loop.py); the
+messages between them are runtime/protocol.py's. From Python, `launch(RLConfig(...))` starts
+the whole job under torchrun.
 """
 
 from __future__ import annotations
@@ -10,27 +12,23 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshrl.envs import make_env
-from meshrl.parallel import parallelize
-from meshrl.runtime import launch as launching
-from meshrl.runtime import transport, weight_sync
 from meshrl.runtime import checkpoint as ckpt
-from meshrl.runtime.checkpoint import export_hf
+from meshrl.runtime import launch as launching
 from meshrl.runtime.config import RLConfig
-from meshrl.runtime.controller import Controller
-from meshrl.runtime.inference import check_tensor_parallel_model, run_inference
+from meshrl.runtime.engine.build import check_tensor_parallel_model
+from meshrl.runtime.engine.loop import run_inference
 from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
                                    pick_device, use_cuda)
-from meshrl.runtime.policy import build_trainer_policy, check_model_source, compute_dtype, load_tokenizer_for
-from meshrl.runtime.rundir import Heartbeat, MetricsWriter, log, record_restart, restart_count, setup_logging, write_config
-from meshrl.runtime.trainer import Trainer
-from meshrl.runtime.transport import Message
+from meshrl.runtime.policy import check_model_source, load_tokenizer_for
+from meshrl.runtime.rollout.controller import Controller
+from meshrl.runtime.rundir import MetricsWriter, log, record_restart, restart_count, setup_logging, write_config
+from meshrl.runtime.train.loop import run_trainer
 
 MODULE = "meshrl.runtime.rl"
 
@@ -104,67 +102,6 @@ def run_role(cfg: RLConfig, layout: Layout, run_dir: Path, start: int | None = N
         run_trainer(cfg, layout, start, ckpt_group)
     else:
         run_inference(cfg, layout, start or 0)
-
-
-def run_trainer(cfg: RLConfig, layout: Layout, start: int | None = None, ckpt_group=None) -> None:
-    device = layout.device
-    tokenizer = load_tokenizer_for(cfg.model)
-    dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
-    p = cfg.trainer.parallel
-    model, args = build_trainer_policy(
-        cfg.model, device, lambda m: parallelize(m, layout.trainer_meshes, dtype, p.activation_checkpointing,
-                                                 p.ac_every, p.compile), tokenizer)
-    trainer = Trainer(model, cfg.trainer.optim, device, layout.trainer_group, layout.trainer_meshes,
-                      cfg.trainer.attention, cfg.trainer.logprob_chunk_tokens, cfg.trainer.moe_aux_loss_coef, dtype)
-    src = layout.roles.trainers[0]
-    leader = layout.is_trainer_leader
-    checkpointer = ckpt.TrainerCheckpointer(
-        trainer, layout.trainer_meshes, ckpt_group, leader, cfg.checkpoint,
-        ckpt.manifest_base(cfg, "rl", layout.trainer_meshes.dims, cfg.layout.num_trainer_ranks))
-    if start is not None:  # before version `start` goes to the engines
-        path = ckpt.step_path(ckpt.checkpoints_dir(cfg.output_dir), start)
-        checkpointer.load(path, ckpt.read_manifest(path))
-    beat = Heartbeat(cfg.log.heartbeat_s)
-
-    def sync() -> float:
-        start = time.perf_counter()
-        weight_sync.send_weights(model, layout.sync_group if leader else None, src, dtype,
-                                 cfg.weight_sync.bucket_mb, device)
-        return time.perf_counter() - start
-
-    sync()  # version 0, which also warms the sync group's communicator up
-    controller = layout.roles.controller
-    down, up = layout.down[layout.rank], layout.up[layout.rank]
-    while True:
-        beat.set(f"waiting for the controller after version {trainer.version}")
-        msg = transport.recv(controller, down)
-        checkpointer.poll()
-        if msg.kind == "stop":
-            beat.set("final checkpoint and export")
-            checkpointer.close()
-            export_hf(model, args, tokenizer, Path(cfg.output_dir) / "checkpoints" / "final", leader)
-            if leader:
-                transport.send(Message("done"), controller, up)
-            beat.close()
-            return
-        if msg.kind == "checkpoint":
-            beat.set(f"checkpoint step_{msg.meta['step']}")
-            if "path" in msg.meta:
-                checkpointer.save(msg.meta["step"], Path(msg.meta["path"]))
-            if "export" in msg.meta:
-                export_hf(model, args, tokenizer, Path(msg.meta["export"]), leader)
-            continue
-        assert msg.kind == "train", msg.kind
-        beat.set(f"train step {msg.meta['step']}")
-        mbs = [msg.data[str(i)] for i in range(msg.meta["num_micro_batches"])]
-        stats = trainer.rl_step(mbs, msg.meta["num_loss_tokens"], cfg.trainer.loss, cfg.inference.sampling.temperature)
-        if leader:  # before the broadcast: the controller must tell inference to join it
-            transport.send(Message("weights", {"version": trainer.version}), controller, up)
-        beat.set(f"weight sync v{trainer.version}")
-        sync_s = sync()
-        if leader:
-            transport.send(Message("report", {"step": msg.meta["step"], "version": trainer.version, "stats": stats,
-                                              "weight_sync_s": sync_s}), controller, up)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ class Inbox:
     arrival order and raises PeerError if a receiving thread failed.
     """
 
-    def __init__(self, last_kinds: tuple[str, ...] = ("stop", "done")):
+    def __init__(self, last_kinds: tuple[str, ...] = ("stop", "done")):  # protocol.Kind.STOP, DONE
         self.queue: queue.Queue[Message | BaseException] = queue.Queue()
         self.last_kinds = last_kinds
         self.threads: list[threading.Thread] = []

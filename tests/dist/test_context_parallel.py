@@ -5,8 +5,8 @@ import torch.distributed as dist
 from meshrl.models.common.attention import DocumentCausalAttention
 from meshrl.models.qwen3 import FLAVORS, Qwen3
 from meshrl.parallel.context_parallel import ContextParallelAttention, cp_split, pad_for_cp
-from meshrl.runtime import algorithms
-from meshrl.runtime.packing import Sample, pack
+from meshrl.runtime.train import losses as algorithms
+from meshrl.runtime.train.packing import Sample, pack
 from tests.dist.multirank import run_ranks
 
 

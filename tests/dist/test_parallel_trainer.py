@@ -16,8 +16,8 @@ from meshrl.models import get_family
 from meshrl.parallel import full_tensors, parallelize
 from meshrl.parallel.dims import ParallelDims, build_meshes
 from meshrl.runtime.config import LossConfig, OptimConfig
-from meshrl.runtime.packing import Sample, count_loss_tokens, pack
-from meshrl.runtime.trainer import Trainer
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.train.trainer import Trainer
 from tests.dist.multirank import run_ranks
 
 ARGS = get_family("qwen3").flavors["debug"]

@@ -15,8 +15,8 @@ from meshrl.parallel import full_tensors, parallelize
 from meshrl.runtime import transport, weight_sync
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.layout import assign_roles, build_layout
-from meshrl.runtime.packing import Sample, count_loss_tokens, pack
-from meshrl.runtime.trainer import Trainer
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.train.trainer import Trainer
 from meshrl.runtime.transport import Message
 from tests.dist.multirank import run_ranks
 

@@ -21,7 +21,8 @@ from meshrl.models.qwen3_moe import Qwen3Moe
 from meshrl.parallel.tensor_parallel import (ColwiseLinear, RowwiseLinear, check_tensor_parallel, full_shape,
                                              local_slice, shard_for_inference)
 from meshrl.runtime import weight_sync
-from meshrl.runtime.engine import Completion, NativeEngine, Request, SamplingParams
+from meshrl.runtime.engine.api import Completion, Request, SamplingParams
+from meshrl.runtime.engine.native import NativeEngine
 from tests.dist.multirank import run_ranks
 from tests.random_models import scaled_random_model
 

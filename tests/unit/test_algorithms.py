@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from meshrl.runtime.algorithms import group_advantages, policy_loss, sft_loss, token_logprobs
+from meshrl.runtime.train.losses import group_advantages, policy_loss, sft_loss, token_logprobs
 
 LN = math.log
 

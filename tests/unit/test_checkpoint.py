@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime.config import CheckpointConfig, ResumeConfig, WandbConfig
-from meshrl.runtime.packing import count_loss_tokens, pack
+from meshrl.runtime.train.packing import count_loss_tokens, pack
 from meshrl.runtime.rundir import Heartbeat, MetricsWriter
-from meshrl.runtime.trainer import Trainer
+from meshrl.runtime.train.trainer import Trainer
 from tests.dist.multirank import run_ranks
 from tests.dist.test_parallel_trainer import LOSS, OPTIM, SEQ_LEN, make_model, make_samples
 

@@ -16,7 +16,7 @@ from meshrl.models import get_family
 from meshrl.models.common.attention import DocumentCausalAttention
 from meshrl.parallel import parallelize
 from meshrl.parallel.dims import ParallelDims, build_meshes
-from meshrl.runtime.logprob_head import LogprobHead
+from meshrl.runtime.train.logprob_head import LogprobHead
 from tests.dist.multirank import free_port
 
 

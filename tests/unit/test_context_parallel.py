@@ -3,7 +3,7 @@ import torch
 from tensordict import TensorDict
 
 from meshrl.parallel.context_parallel import cp_local_index, cp_split, pad_for_cp
-from meshrl.runtime.packing import Sample, pack
+from meshrl.runtime.train.packing import Sample, pack
 
 
 def _row() -> TensorDict:

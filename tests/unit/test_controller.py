@@ -1,4 +1,4 @@
-"""The controller's scoring and batch building, without processes."""
+"""The controller's batch building, without processes."""
 
 import time
 
@@ -6,19 +6,12 @@ import pytest
 
 from meshrl.envs.base import Example
 from meshrl.runtime.config import ModelConfig, RLConfig
-from meshrl.runtime.controller import Controller, Group, Rollout, StepState
+from meshrl.runtime.rollout.controller import Controller, Group, Rollout, StepState
 from meshrl.runtime.tokenizer import build_char_tokenizer
 
 
 class FlakyEnv:
-    """Reward = 1 for "good", 0 otherwise; raises on "boom" (a user's buggy reward function)."""
-
     name = "flaky"
-
-    def score(self, example, completion):
-        if completion == "boom":
-            raise RuntimeError("reward server down")
-        return 1.0 if completion == "good" else 0.0
 
 
 def make_controller(tmp_path, samples_per_prompt=4):
@@ -29,21 +22,20 @@ def make_controller(tmp_path, samples_per_prompt=4):
 
 
 def rollout(tok, text, version=0):
+    """A scored rollout as the episode driver hands it over: reward 1 for "good", 0 otherwise; the
+    driver marks "boom" failed (its reward function raised: tests/unit/test_envs_faults.py)."""
     ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-    return Rollout(ids, [-0.5] * len(ids), [version] * len(ids), "stop")
+    return Rollout(ids, [-0.5] * len(ids), [version] * len(ids), "stop", text=text, reward=float(text == "good"),
+                   failed=text == "boom")
 
 
-def test_a_raising_reward_fails_only_its_rollout(tmp_path):
+def test_failed_rollouts_are_excluded_and_flat_groups_filtered(tmp_path):
     ctl, tok = make_controller(tmp_path)
     ex = Example(0, "abc\n", "cba", {})
     texts = [["good", "bad", "boom", "good"], ["bad", "bad", "bad", "bad"]]
     groups = []
     for g, row in enumerate(texts):
-        rollouts = []
-        for text in row:
-            r = rollout(tok, text, version=0)
-            ctl._score(ex, r)
-            rollouts.append(r)
+        rollouts = [rollout(tok, text, version=0) for text in row]
         groups.append(Group(ex, tok.encode(ex.prompt, add_special_tokens=False), rollouts))
     ctl.steps[2] = StepState(groups, time.perf_counter(), pending=0, failed=1)
     samples, stats = ctl._build_samples(step=2)

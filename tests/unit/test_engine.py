@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from meshrl.models.qwen3 import Qwen3, Qwen3Args
-from meshrl.runtime.engine import (
-    Completion,
-    InferenceEngine,
-    NativeEngine,
-    Request,
-    SamplingParams,
-    continuation_ids,
-    generate,
-)
-from meshrl.runtime.sampling import StaticSamplingBatch
+from meshrl.runtime.engine.api import Completion, InferenceEngine, Request, SamplingParams, continuation_ids, generate
+from meshrl.runtime.engine.native import NativeEngine
+from meshrl.runtime.engine.sampling import StaticSamplingBatch
 from tests.random_models import scaled_random_model
 
 VOCAB = 96

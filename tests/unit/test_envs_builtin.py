@@ -10,7 +10,7 @@ from meshrl.envs import (AlphabetSortEnv, ArithmeticEnv, CalculatorEnv, MixedEnv
 from meshrl.envs.base import Reward
 from meshrl.envs.mix import integer_ratios, mix_cycle
 from meshrl.envs.wordle import feedback
-from meshrl.runtime.episodes import EpisodeDriver, EpisodeResult, Generate
+from meshrl.runtime.rollout.episodes import EpisodeDriver, EpisodeResult, Generate
 from meshrl.runtime.tokenizer import build_char_tokenizer
 
 TOK = build_char_tokenizer()

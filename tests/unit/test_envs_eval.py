@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from meshrl.envs.base import Example, Reward
-from meshrl.runtime.episodes import EpisodeResult
-from meshrl.runtime.eval import EvalCollector, OnlineEval, pass_at_k
+from meshrl.runtime.rollout.episodes import EpisodeResult
+from meshrl.runtime.rollout.evals import EvalCollector, OnlineEval, pass_at_k
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import torch
 from meshrl.envs import CalculatorEnv, Example
 from meshrl.envs.base import Reward, TextEpisode
 from meshrl.envs.sandbox import SandboxError, SandboxLimits, call_in_subprocess, network_isolation, run_python
-from meshrl.runtime.episodes import EpisodeDriver, EpisodeResult, Generate
-from meshrl.runtime.packing import Sample, pack
+from meshrl.runtime.rollout.episodes import EpisodeDriver, EpisodeResult, Generate
+from meshrl.runtime.train.packing import Sample, pack
 from meshrl.runtime.tokenizer import build_char_tokenizer
 
 TOK = build_char_tokenizer()

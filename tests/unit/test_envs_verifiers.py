@@ -13,7 +13,7 @@ vf = pytest.importorskip("verifiers.v1")
 
 from meshrl.envs import make_env  # noqa: E402
 from meshrl.envs.verifiers_adapter import ChatRenderer, parse_tool_calls  # noqa: E402
-from meshrl.runtime.episodes import EpisodeDriver, EpisodeResult, Generate  # noqa: E402
+from meshrl.runtime.rollout.episodes import EpisodeDriver, EpisodeResult, Generate  # noqa: E402
 from meshrl.runtime.tokenizer import build_char_tokenizer  # noqa: E402
 
 TOK = build_char_tokenizer()

@@ -22,7 +22,8 @@ from meshrl.models.generic_hf import (
 from meshrl.models.hf import load_hf_model, save_hf_model
 from meshrl.models.qwen3 import Qwen3, Qwen3Args
 from meshrl.runtime.config import ModelConfig
-from meshrl.runtime.engine import NativeEngine, Request, SamplingParams, generate
+from meshrl.runtime.engine.api import Request, SamplingParams, generate
+from meshrl.runtime.engine.native import NativeEngine
 from meshrl.runtime.policy import build_policy, check_model_source
 
 VOCAB = 96

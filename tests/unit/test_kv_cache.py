@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshrl.runtime.kv_cache import (
+from meshrl.runtime.engine.kv_cache import (
     BlockManager,
     KVCache,
     PagedAttention,

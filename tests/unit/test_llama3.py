@@ -16,7 +16,8 @@ from meshrl.models.common.attention import CausalAttention, DocumentCausalAttent
 from meshrl.models.common.rope import Llama3RopeScaling, rope_inv_freq
 from meshrl.models.hf import load_hf_model, read_hf_config, save_hf_model
 from meshrl.models.llama3 import FLAVORS, Llama3, Llama3Args, Llama3StateDictAdapter
-from meshrl.runtime.engine import NativeEngine, Request, SamplingParams, generate
+from meshrl.runtime.engine.api import Request, SamplingParams, generate
+from meshrl.runtime.engine.native import NativeEngine
 
 VOCAB = 96
 # A 32-token "pretraining" context: with theta 1e4 and head_dim 16 the wavelengths are 6.3 (kept),

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from meshrl.models.common.attention import DocumentCausalAttention
 from meshrl.models.qwen3 import FLAVORS, Qwen3
-from meshrl.runtime.algorithms import token_logprobs
-from meshrl.runtime.logprob_head import LogprobHead, chunked_token_logprobs, default_chunk_tokens
+from meshrl.runtime.train.losses import token_logprobs
+from meshrl.runtime.train.logprob_head import LogprobHead, chunked_token_logprobs, default_chunk_tokens
 
 
 def make_inputs(B: int, T: int, dim: int, V: int, dtype: torch.dtype, seed: int = 0):

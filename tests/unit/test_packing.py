@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from meshrl.runtime.packing import Sample, count_loss_tokens, pack, pack_sft
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack, pack_sft
 
 FIELDS = {
     "input_ids", "position_ids", "doc_ids", "sample_ids", "targets", "loss_mask", "advantages", "inference_logprobs"

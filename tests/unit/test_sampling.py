@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrl.runtime.sampling import (
+from meshrl.runtime.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     StaticSamplingBatch,
@@ -157,7 +157,7 @@ def test_static_batch_view_samples_like_the_batch():
 def test_untruncated_sampler_matches_the_full_probability_path(vocab):
     """The chunked one-pass sampler (no truncation) draws the tokens and reports the logprobs of
     the whole-vocabulary path, for greedy, sampled and tempered rows mixed."""
-    from meshrl.runtime.sampling import _sample_full, _sample_truncated
+    from meshrl.runtime.engine.sampling import _sample_full, _sample_truncated
 
     g = torch.Generator().manual_seed(vocab)
     params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.0, 0.7, 1.3] * 16)]
@@ -177,7 +177,7 @@ def test_untruncated_sampler_matches_the_full_probability_path(vocab):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_chunk_stats_match_torch():
     pytest.importorskip("triton")
-    from meshrl.runtime.kernels import chunk_stats
+    from meshrl.runtime.engine.kernels import chunk_stats
 
     logits = (torch.randn(37, 151936, device="cuda") * 5).to(torch.bfloat16)
     logits[3, 2048:3072] = logits[3].max()  # ties: the first index wins

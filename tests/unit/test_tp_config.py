@@ -3,7 +3,7 @@
 import pytest
 
 from meshrl.runtime.config import ConfigError, EvalConfig, InferenceConfig, ModelConfig, RLConfig, load_config
-from meshrl.runtime.inference import check_tensor_parallel_model
+from meshrl.runtime.engine.build import check_tensor_parallel_model
 from meshrl.runtime.layout import assign_roles
 
 BASE = ["--model.flavor", "debug", "--model.tokenizer", "char"]

@@ -1,6 +1,6 @@
 """The vLLM adapter's own logic, against a fake `vllm` module (real vLLM is not installable here).
 
-The fake mimics the surface runtime/vllm_engine.py uses: EngineArgs, LLMEngine.from_engine_args,
+The fake mimics the surface runtime/engine/vllm_engine.py uses: EngineArgs, LLMEngine.from_engine_args,
 add_request / step / abort_request / collective_rpc, SamplingParams, TokensPrompt,
 RequestOutputKind, and RequestOutput / CompletionOutput / Logprob with DELTA outputs (only the new
 tokens of each step). Its "model" samples a token that is a pure function of the prompt, the sample
@@ -28,14 +28,14 @@ from pydantic import ValidationError
 from meshrl.models import qwen3
 from meshrl.runtime import weight_sync
 from meshrl.runtime.config import InferenceConfig, ModelConfig, RLConfig
-from meshrl.runtime.engine import Request, SamplingParams
-from meshrl.runtime.vllm_engine import (
+from meshrl.runtime.engine.api import Request, SamplingParams
+from meshrl.runtime.engine.vllm_engine import (
     WORKER_EXTENSION,
     VLLMEngine,
     build_vllm_engine,
     pack_tensors,
-    policy_skeleton,
 )
+from meshrl.runtime.policy import policy_skeleton
 
 VOCAB = 128
 
@@ -440,7 +440,7 @@ def test_build_on_cpu_is_refused(fake_vllm):
 
 
 def test_importing_meshrl_does_not_import_vllm():
-    code = ("import sys, meshrl.runtime.vllm_engine, meshrl.runtime.inference, meshrl.runtime.config; "
+    code = ("import sys, meshrl.runtime.engine.vllm_engine, meshrl.runtime.engine.loop, meshrl.runtime.config; "
             "assert 'vllm' not in sys.modules, 'vllm was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -46,7 +46,6 @@ Weight sync for this backend must go through `engine.receive_weights`, not throu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import json
 import math
@@ -61,12 +60,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from meshrl.runtime.engine import Completion, FinishReason, Request, SamplingParams
+from meshrl.runtime.engine.api import Completion, FinishReason, Request, SamplingParams
 from meshrl.runtime.weight_sync import bucket_plan
 
 INSTALL_DOC = "docs/inference.md"
 # vLLM loads this class into its worker (engine argument worker_extension_cls) by qualified name.
-WORKER_EXTENSION = "meshrl.runtime.vllm_engine.MeshrlWorkerExtension"
+WORKER_EXTENSION = "meshrl.runtime.engine.vllm_engine.MeshrlWorkerExtension"
 # torchrun's variables: the vLLM worker forms its own world of one and must not see ours.
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -414,28 +413,6 @@ class VLLMEngine:
 # ----------------------------------------------------------------------------- building from the config
 
 
-def policy_skeleton(model_cfg: Any, dtype: torch.dtype) -> tuple[nn.Module, Any, Any, str | None]:
-    """(our model on the meta device, its adapter, its args, its HF folder or None) for a ModelConfig.
-
-    Same family and args as runtime/policy.py build_policy, without reading or initialising weights.
-    """
-    from meshrl.models import get_family
-    from meshrl.models.generic_hf import family_for
-    from meshrl.models.hf import read_hf_config
-    from meshrl.runtime.policy import load_tokenizer_for
-
-    if model_cfg.path is not None:
-        config = read_hf_config(model_cfg.path)
-        family = family_for(config.get("model_type"), model_cfg.impl)
-        args = family.args_cls.from_hf_config(config)
-    else:
-        family = get_family(model_cfg.family)
-        args = dataclasses.replace(family.flavors[model_cfg.flavor], vocab_size=len(load_tokenizer_for(model_cfg)))
-    with torch.device("meta"):
-        model = family.model_cls(args)
-    return model.to(dtype), family.state_dict_adapter(args), args, model_cfg.path
-
-
 def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: torch.dtype, seed: int) -> VLLMEngine:
     """The vLLM engine of one inference rank from `inference` (cfg) and `model` (model_cfg) sections.
 
@@ -445,6 +422,8 @@ def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: tor
     if device.type != "cuda":
         raise ValueError(f'inference.backend = "vllm" runs on CUDA only, but this inference rank is on {device}; '
                          'use inference.backend = "native" on CPU')
+    from meshrl.runtime.policy import policy_skeleton
+
     model, adapter, args, path = policy_skeleton(model_cfg, dtype)
     if path is None:
         path = tempfile.mkdtemp(prefix="meshrl-vllm-")

@@ -14,17 +14,17 @@ so every token of a step-s rollout comes from a policy at most max_off_policy_st
 synchronous on-policy; with k > 0, inference generates up to k steps ahead while the trainer
 trains. Each rollout carries the version of every token; policy_lag = s - oldest version.
 
-Episodes (runtime/episodes.py). Every rollout is an episode: environment work (the prompt, each
+Episodes (runtime/rollout/episodes.py). Every rollout is an episode: environment work (the prompt, each
 multi-turn step with its tools, scoring) runs on worker threads whose answers arrive on the same
 queue as "episode" messages; each turn is a request to the group's inference rank whose prompt is
 all earlier tokens (token in / token out). A failing, hanging or memory-exceeding environment
 fails only its rollout (rollouts/failed). With eval.every, evaluations run between training
-rollouts on the inference ranks (runtime/eval.py: OnlineEval).
+rollouts on the inference ranks (runtime/rollout/evals.py: OnlineEval).
 
 Tensor-parallel replicas (inference.tensor_parallel > 1). A replica of N inference ranks is one
 engine: groups are load-balanced over replicas (`roles.engines`, each replica's first rank, is
 the rank a group is routed to), every message for a replica goes to each of its ranks in the
-same order (runtime/inference.py keeps them in lockstep), and completions come from the first
+same order (runtime/engine/loop.py keeps them in lockstep), and completions come from the first
 rank only. `load_weights` and `stop` go to every inference rank, and each one answers `done`.
 
 All receives run on Inbox threads; the loop below waits on one queue, so it sleeps while
@@ -43,31 +43,25 @@ from __future__ import annotations
 import random
 import statistics
 import time
-import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict
 
 from meshrl.envs import make_env
-from meshrl.envs.base import Environment, Example, as_reward, decode_reply
+from meshrl.envs.base import Environment, Example, decode_reply
 from meshrl.runtime import checkpoint as ckpt
-from meshrl.runtime import transport
-from meshrl.runtime.algorithms import group_advantages
+from meshrl.runtime import protocol, transport
+from meshrl.runtime.train.losses import group_advantages
 from meshrl.runtime.config import RLConfig
-from meshrl.runtime.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter
-from meshrl.runtime.eval import OnlineEval
+from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter
+from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
-from meshrl.runtime.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log
+from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.transport import Message
-
-HEARTBEAT_S = 30.0
-FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
-FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
-
 
 @dataclass
 class Rollout:
@@ -114,28 +108,6 @@ class Clock:
     tokens_since_report: int = 0
 
 
-def encode_requests(request_ids: list[int], prompts: list[list[int]], seeds: list[int]) -> TensorDict:
-    """Ragged prompts as flat tensors plus lengths."""
-    return TensorDict({
-        "request_id": torch.tensor(request_ids, dtype=torch.int64),
-        "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-        "prompt_ids": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
-        "seed": torch.tensor(seeds, dtype=torch.int64),
-    }, batch_size=[])
-
-
-def decode_completions(td: TensorDict) -> list[tuple[int, Rollout]]:
-    """Inverse of inference.encode_completions."""
-    out = []
-    offset = 0
-    tokens, logprobs, versions = td["tokens"].tolist(), td["logprobs"].tolist(), td["versions"].tolist()
-    for rid, n, fin in zip(td["request_id"].tolist(), td["num_tokens"].tolist(), td["finish"].tolist()):
-        sl = slice(offset, offset + n)
-        out.append((rid, Rollout(tokens[sl], logprobs[sl], versions[sl], FINISH_NAMES[fin])))
-        offset += n
-    return out
-
-
 class Controller:
     """Owns the dataset cursor, the environment, the buffer of rollouts and the step clock."""
 
@@ -158,13 +130,13 @@ class Controller:
         self.progress = ProgressLine(cfg.max_steps, cfg.log.console, "rl")
         self.final: dict[str, float] = {}
         self._pending_stats: dict[str, float] = {}  # rollout statistics of the step being trained
-        # Episodes (runtime/episodes.py): environment work on worker threads whose answers arrive
+        # Episodes (runtime/rollout/episodes.py): environment work on worker threads whose answers arrive
         # on the inbox as "episode" messages; every turn goes to its group's inference rank.
         ep = cfg.episodes
         self.driver = EpisodeDriver(tokenizer, max_tokens=cfg.inference.sampling.max_tokens,
                                     max_model_len=cfg.inference.max_model_len, num_workers=ep.workers,
                                     timeout_s=ep.timeout_s, score_memory_mb=ep.score_memory_mb,
-                                    post=lambda event: self.inbox.queue.put(Message("episode", {"event": event})))
+                                    post=lambda event: self.inbox.queue.put(protocol.episode(event)))
         self.turns = TurnRouter(self.driver, self._send_requests, self._new_request_id, cfg.inference.sampling.top_p)
         self.where = self.turns.where  # request id -> episode key
         eval_env = make_env(cfg.eval.env.name, **cfg.eval.env.kwargs()) if cfg.eval.env is not None else env
@@ -199,17 +171,17 @@ class Controller:
         return self.final
 
     def _handle(self, msg: Message) -> None:
-        if msg.kind == "completions":
-            self._on_completions(msg.data)
-        elif msg.kind == "weights":
+        if msg.kind == Kind.COMPLETIONS:
+            self._on_completions(msg)
+        elif msg.kind == Kind.WEIGHTS:
             self.clock.weights_version = msg.meta["version"]
             for r in self.layout.roles.inference:  # every rank of a replica joins the weight broadcast
-                transport.send(Message("load_weights", {"version": msg.meta["version"]}), r, self.layout.down[r])
+                transport.send(protocol.load_weights(msg.meta["version"]), r, self.layout.down[r])
             if self.evals is not None and self.evals.due(msg.meta["version"]):  # after the load: evaluates v
                 self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.engines))
-        elif msg.kind == "episode":
+        elif msg.kind == Kind.EPISODE:
             self._on_episode(msg.meta["event"])
-        elif msg.kind == "report":
+        elif msg.kind == Kind.REPORT:
             self._on_report(msg.meta)
         else:
             raise RuntimeError(f"controller got an unexpected message {msg.kind!r} from rank {msg.src}")
@@ -252,20 +224,21 @@ class Controller:
         self.next_request_id += 1
         return rid
 
-    def _send_requests(self, rank: int, meta: dict, ids: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
+    def _send_requests(self, rank: int, sampling: dict, ids: list[int], prompts: list[list[int]],
+                       seeds: list[int]) -> None:
         """Requests for the replica whose first rank is `rank`: the same message to each of its ranks."""
-        msg = Message("generate", meta, encode_requests(ids, prompts, seeds))
+        msg = protocol.generate(ids, prompts, seeds, sampling)
         for r in self.layout.roles.replica_of(rank):
             transport.send(msg, r, self.layout.down[r])
 
     # ------------------------------------------------------------------ scoring
 
-    def _on_completions(self, td: TensorDict) -> None:
-        for rid, rollout in decode_completions(td):
-            key = self.turns.on_completion(rid, rollout.token_ids, rollout.logprobs, rollout.versions,
-                                           rollout.finish_reason)
+    def _on_completions(self, msg: Message) -> None:
+        for turn in protocol.read_completions(msg):
+            key = self.turns.on_completion(turn.request_id, turn.token_ids, turn.logprobs, turn.versions,
+                                           turn.finish_reason)
             if key[0] == "train":
-                self.clock.tokens_since_report += len(rollout.token_ids)
+                self.clock.tokens_since_report += len(turn.token_ids)
 
     def _on_episode(self, event: EnvEvent) -> None:
         """An environment call finished: the episode's next turn is queued, or the episode is over."""
@@ -302,18 +275,6 @@ class Controller:
                        metrics=dict(reward.metrics) if reward is not None else {}, env=result.env,
                        error=result.error)
 
-    def _score(self, example: Example, rollout: Rollout) -> None:
-        """Score a single-turn rollout here, on the controller's thread (kept for tests and tools)."""
-        ids = rollout.token_ids[:-1] if rollout.token_ids and rollout.token_ids[-1] == self.eos_id else rollout.token_ids
-        rollout.text = self.tokenizer.decode(ids)
-        try:
-            reward = as_reward(self.env.score(example, rollout.text))
-            rollout.reward, rollout.components, rollout.metrics = reward.total, reward.components, reward.metrics
-        except Exception:  # noqa: BLE001 - a user's reward function; the rollout is excluded and counted
-            rollout.failed = True
-            log.error("reward function of %s raised on example %d; rollout excluded:\n%s",
-                      self.env.name, example.index, traceback.format_exc())
-
     # ------------------------------------------------------------------ training
 
     def _maybe_train(self) -> None:
@@ -327,11 +288,9 @@ class Controller:
         batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
                        pad_id=self.tokenizer.pad_token_id or 0)
         num_loss_tokens = count_loss_tokens(batches)
-        meta = {"step": step, "num_loss_tokens": num_loss_tokens}
         for index, rank in enumerate(ranks):
-            mbs = batches[dims.data_rank(index)]
-            data = TensorDict({str(i): mb for i, mb in enumerate(mbs)}, batch_size=[])
-            transport.send(Message("train", {**meta, "num_micro_batches": len(mbs)}, data), rank, self.layout.down[rank])
+            msg = protocol.train(step, num_loss_tokens, batches[dims.data_rank(index)])
+            transport.send(msg, rank, self.layout.down[rank])
         self.clock.training = True
         self._pending_stats = stats
 
@@ -424,7 +383,7 @@ class Controller:
                    "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),
                    **{k: v for k, v in trainer.items() if k.startswith("moe/")}}  # MoE load balance
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
-            self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/eval.py)
+            self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/rollout/evals.py)
         del self.steps[step]
         self.clock.trained += 1
         self.clock.training = False
@@ -474,17 +433,16 @@ class Controller:
         if not (save or export):
             return
         root = ckpt.checkpoints_dir(self.run_dir)
-        meta: dict = {"step": n}
+        path = None
         if save:
             try:
-                meta["path"] = str(ckpt.begin(root, n, {ckpt.CONTROLLER_FILE: self.state_dict()}))
+                path = str(ckpt.begin(root, n, {ckpt.CONTROLLER_FILE: self.state_dict()}))
             except OSError as e:  # a full disk: the previous checkpoints stay; the next save tries again
                 log.error("checkpoint step_%d: cannot write the controller state (%s); skipped", n, e)
-        if export:
-            meta["export"] = str(root / f"hf_step_{n}")
-        if "path" in meta or export:
+        if path is not None or export:
+            msg = protocol.checkpoint(n, path, str(root / f"hf_step_{n}") if export else None)
             for r in self.layout.roles.trainers:
-                transport.send(Message("checkpoint", meta), r, self.layout.down[r])
+                transport.send(msg, r, self.layout.down[r])
 
     # ------------------------------------------------------------------ shutdown
 
@@ -492,15 +450,15 @@ class Controller:
         """Stop every rank and wait for their last messages (the trainer's after its checkpoint)."""
         roles = self.layout.roles
         for r in (*roles.inference, *roles.trainers):
-            transport.send(Message("stop"), r, self.layout.down[r])
+            transport.send(protocol.stop(), r, self.layout.down[r])
         waiting = {roles.trainers[0], *roles.inference}
         while waiting:
             msg = self.inbox.get(timeout=self.cfg.dist.timeout_s)
             if msg is None:
                 raise TimeoutError(f"ranks {sorted(waiting)} did not finish within {self.cfg.dist.timeout_s}s")
-            if msg.kind == "done":
+            if msg.kind == Kind.DONE:
                 waiting.discard(msg.src)
-            elif msg.kind in ("completions", "weights", "episode"):
+            elif msg.kind in (Kind.COMPLETIONS, Kind.WEIGHTS, Kind.EPISODE):
                 continue  # late messages of the last step; nothing left to train on
             else:
                 self._handle(msg)

@@ -41,7 +41,7 @@ Sequences. A sequence is (request, sample index): `tokens` (prompt + generated),
 of them with k/v in the cache, a block table, and a *row*: its index in the persistent decode
 buffers (token, position, slot, block table, context length), which on CUDA the graphs read.
 The model has no cache of its own: it calls `attn.attend(layer_id, q, k, v)` in every layer and
-runtime/kv_cache.py's `PagedAttention` writes k/v into the blocks and attends over them.
+runtime/engine/kv_cache.py's `PagedAttention` writes k/v into the blocks and attends over them.
 
 Sharing. Samples of one prompt (SamplingParams.n, or separate requests with identical prompts
 queued back to back, which is how the controller sends a group) are admitted together: the
@@ -63,7 +63,7 @@ sample from then on record version v. The prefix cache is dropped on a version c
 request must not silently reuse keys computed by the old weights, and a sequence whose k/v
 predate the current version never registers its blocks.
 
-Sampling and logprobs: runtime/sampling.py (fp32 log_softmax(logits / temperature) over the
+Sampling and logprobs: runtime/engine/sampling.py (fp32 log_softmax(logits / temperature) over the
 full vocabulary; seeded counter-based draws independent of the batch).
 Tensor parallelism inside a replica is not implemented (one rank per engine).
 """
@@ -76,84 +76,15 @@ import random
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, runtime_checkable
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrl.runtime.kv_cache import NULL_BLOCK, BlockManager, KVCache, PagedAttention, block_hashes, triton_available
-from meshrl.runtime.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
-
-__all__ = ["Completion", "FinishReason", "InferenceEngine", "NativeEngine", "Request", "SamplingParams",
-           "continuation_ids", "generate"]
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class Request:
-    """A prompt (token ids) to complete; request_id is chosen by the caller, unique while live."""
-
-    request_id: int
-    prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass
-class Completion:
-    """A finished (or aborted) sample of a request.
-
-    logprobs[i] is the fp32 logprob of token_ids[i] under the temperature-scaled, un-truncated
-    distribution; versions[i] is the engine's weight version when token_ids[i] was sampled;
-    index is the sample's number among the request's n.
-    """
-
-    request_id: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: FinishReason
-    index: int = 0
-
-
-def continuation_ids(completion: Completion, new_ids: list[int]) -> list[int]:
-    """The prompt of the next turn: earlier prompt + completion + new tokens (see module docstring)."""
-    return list(completion.prompt_ids) + list(completion.token_ids) + list(new_ids)
-
-
-@runtime_checkable
-class InferenceEngine(Protocol):
-    """What the runtime needs from an engine (native or vLLM).
-
-    `model` is the nn.Module whose parameters weight sync overwrites in place between `step()`
-    calls; it then calls `set_version(v)`.
-    """
-
-    version: int
-    model: nn.Module
-
-    def add(self, request: Request) -> None:
-        """Queue a request; raises ValueError if it can never be served."""
-        ...
-
-    def step(self) -> list[Completion]:
-        """One scheduler iteration; returns the samples that finished in it."""
-        ...
-
-    def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        ...
-
-    def abort(self, request_id: int) -> Completion | None:
-        """Drop a live request at once, freeing its memory; None if it is not live."""
-        ...
-
-    def set_version(self, version: int) -> None:
-        """Record the weight version that tokens sampled from now on come from."""
-        ...
-
+from meshrl.runtime.engine.api import Completion, FinishReason, Request
+from meshrl.runtime.engine.kv_cache import NULL_BLOCK, BlockManager, KVCache, PagedAttention, block_hashes, triton_available
+from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 
 @dataclass(eq=False, slots=True)
 class _Sequence:
@@ -978,15 +909,3 @@ def _check_model_fits(model: nn.Module, device: torch.device, dtype: torch.dtype
     if need > free:
         raise ValueError(f"the model needs {need / 2**30:.2f} GiB in {dtype} but {device} has only "
                          f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
-
-
-def generate(engine: InferenceEngine, requests: list[Request]) -> list[Completion]:
-    """Run requests to completion on engine; completions come back in request order, and the n
-    samples of one request next to each other in index order."""
-    for request in requests:
-        engine.add(request)
-    done: dict[tuple[int, int], Completion] = {}
-    while engine.has_work():
-        for completion in engine.step():
-            done[completion.request_id, completion.index] = completion
-    return [done[r.request_id, i] for r in requests for i in range(r.sampling.n)]

@@ -9,7 +9,7 @@ over the data-parallel ranks (parallel/parallelize.py), so the update is the per
 over the global batch whatever the split. Statistics are sums, all-reduced once per step
 over the trainer group.
 
-Logprobs come from a chunked LM head (runtime/logprob_head.py) that runs inside the model's
+Logprobs come from a chunked LM head (runtime/train/logprob_head.py) that runs inside the model's
 forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 """
 
@@ -27,9 +27,9 @@ from meshrl.models.common.attention import CausalAttention, make_document_attent
 from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.parallel.dims import TrainerMeshes
 from meshrl.parallel.parallelize import clip_grad_norm_
-from meshrl.runtime import algorithms
+from meshrl.runtime.train import losses as algorithms
 from meshrl.runtime.config import LossConfig, OptimConfig
-from meshrl.runtime.logprob_head import LogprobHead
+from meshrl.runtime.train.logprob_head import LogprobHead
 from meshrl.runtime.rundir import log
 
 _STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", "pg_loss_sum",

@@ -22,47 +22,20 @@ heartbeat, so the others never sit in one collective for long.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
-from tensordict import TensorDict
 
-from meshrl.models import get_family
-from meshrl.models.hf import build_hf_skeleton
-from meshrl.parallel.tensor_parallel import check_tensor_parallel, shard_for_inference
-from meshrl.runtime import transport, weight_sync
-from meshrl.runtime.config import InferenceConfig, ModelConfig, RLConfig
-from meshrl.runtime.controller import FINISH_CODES, HEARTBEAT_S
-from meshrl.runtime.engine import Completion, NativeEngine, Request, SamplingParams
+from meshrl.runtime import protocol, transport, weight_sync
+from meshrl.runtime.config import RLConfig
+from meshrl.runtime.engine.api import InferenceEngine, Request
+from meshrl.runtime.engine.build import build_engine
+from meshrl.runtime.engine.sampling import SamplingParams
 from meshrl.runtime.layout import Layout
-from meshrl.runtime.policy import build_policy, compute_dtype, load_tokenizer_for
+from meshrl.runtime.policy import compute_dtype
+from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.rundir import Heartbeat, log
 from meshrl.runtime.transport import Message
-from meshrl.runtime.vllm_engine import build_vllm_engine
-
-
-def encode_completions(done: list[Completion]) -> TensorDict:
-    return TensorDict({
-        "request_id": torch.tensor([c.request_id for c in done], dtype=torch.int64),
-        "num_tokens": torch.tensor([len(c.token_ids) for c in done], dtype=torch.int64),
-        "finish": torch.tensor([FINISH_CODES[c.finish_reason] for c in done], dtype=torch.int64),
-        "tokens": torch.tensor([t for c in done for t in c.token_ids], dtype=torch.int64),
-        "logprobs": torch.tensor([x for c in done for x in c.logprobs], dtype=torch.float32),
-        "versions": torch.tensor([v for c in done for v in c.versions], dtype=torch.int64),
-    }, batch_size=[])
-
-
-def decode_requests(msg: Message) -> list[Request]:
-    td, meta = msg.data, msg.meta
-    flat = td["prompt_ids"].tolist()
-    requests, offset = [], 0
-    for rid, n, seed in zip(td["request_id"].tolist(), td["prompt_lens"].tolist(), td["seed"].tolist()):
-        sampling = SamplingParams(temperature=meta["temperature"], top_p=meta["top_p"], max_tokens=meta["max_tokens"],
-                                  stop_token_ids=tuple(meta["stop_token_ids"]), seed=seed)
-        requests.append(Request(rid, flat[offset:offset + n], sampling))
-        offset += n
-    return requests
 
 
 def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None:
@@ -70,12 +43,9 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
     trainer sends (a resumed run's checkpoint step)."""
     device = layout.device
     dtype = compute_dtype(cfg.model, device)
-    if cfg.inference.backend == "vllm":
-        engine = build_vllm_engine(cfg.inference, cfg.model, device, dtype, seed=cfg.seed)
-    else:
-        engine = build_native_engine(cfg.inference, cfg.model, device, dtype, cfg.seed, layout.tp_group)
+    engine = build_engine(cfg.inference, cfg.model, device, dtype, cfg.seed, layout.tp_group)
     controller = layout.roles.controller
-    inbox = transport.Inbox(last_kinds=("stop",))
+    inbox = transport.Inbox(last_kinds=(Kind.STOP,))
     inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
     src = layout.roles.trainers[0]
     beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
@@ -89,16 +59,16 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
     while True:
         messages = _next_messages(engine, inbox, layout, beat, cfg.dist.timeout_s, generated)
         for msg in messages:
-            if msg.kind == "generate":
-                for request in decode_requests(msg):
-                    engine.add(request)
-            elif msg.kind == "load_weights":
+            if msg.kind == Kind.GENERATE:
+                for r in protocol.read_generate(msg):
+                    engine.add(Request(r.request_id, r.prompt_ids, SamplingParams(**r.sampling)))
+            elif msg.kind == Kind.LOAD_WEIGHTS:
                 beat.set(f"receiving weights v{msg.meta['version']}")
                 start = time.perf_counter()
                 _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
                 engine.set_version(msg.meta["version"])
                 log.info("loaded weights v%d in %.3fs", engine.version, time.perf_counter() - start)
-            elif msg.kind == "stop":
+            elif msg.kind == Kind.STOP:
                 beat.close()
                 _stop(engine, controller, up)
                 return
@@ -109,47 +79,7 @@ def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None
             done = engine.step()
             if done and reports:
                 generated += sum(len(c.token_ids) for c in done)
-                transport.send(Message("completions", {}, encode_completions(done)), controller, up)
-
-
-def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                        seed: int, tp_group: torch.distributed.ProcessGroup | None = None) -> NativeEngine:
-    """The native engine of an inference rank; with `tp_group`, over this rank's shard of the model.
-
-    A tensor-parallel shard is built on the meta device, split there and only then materialised,
-    so no rank ever holds the full model; its values are placeholders until the trainer's first
-    weight broadcast (which every inference rank receives before serving anything).
-    """
-    if tp_group is None:
-        model, _ = build_policy(model_cfg, device, dtype)
-    else:
-        model = _build_skeleton(model_cfg, dtype)
-        shard_for_inference(model, tp_group)
-        model.to_empty(device=device)
-        model.init_weights(seed=model_cfg.init_seed)  # finite values for the engine's probe forward
-    return NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
-                        dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
-                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
-                        max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
-                        cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
-                        seed=seed, tp_group=tp_group)
-
-
-def _build_skeleton(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The policy's model on the meta device (no weights), as build_policy would shape it."""
-    if model_cfg.path is not None:
-        return build_hf_skeleton(model_cfg.path, model_cfg.impl, dtype)[0]
-    family = get_family(model_cfg.family)
-    args = dataclasses.replace(family.flavors[model_cfg.flavor], vocab_size=len(load_tokenizer_for(model_cfg)))
-    with torch.device("meta"):
-        return family.model_cls(args).to(dtype)
-
-
-def check_tensor_parallel_model(inf: InferenceConfig, model_cfg: ModelConfig) -> None:
-    """ValueError before any process starts when the model cannot be split inference.tensor_parallel
-    ways (a family without a plan, heads or FFN width not divisible); nothing to check at 1."""
-    if inf.tensor_parallel > 1:
-        check_tensor_parallel(_build_skeleton(model_cfg), inf.tensor_parallel)
+                transport.send(protocol.completions(done), controller, up)
 
 
 def _next_messages(engine, inbox: transport.Inbox, layout: Layout, beat: Heartbeat, timeout_s: float,
@@ -194,15 +124,15 @@ def _lockstep(messages: list[Message], inbox: transport.Inbox, group, leader: bo
 
 def _receive_weights(engine, cfg: RLConfig, group, src: int, dtype: torch.dtype, device: torch.device) -> None:
     # The native engine's parameters are ours, filled in place; vLLM's are renamed to HF names and
-    # loaded through its worker (runtime/vllm_engine.py), so it receives the buckets itself.
+    # loaded through its worker (runtime/engine/vllm_engine.py), so it receives the buckets itself.
     if cfg.inference.backend == "vllm":
         engine.receive_weights(group, src, dtype, cfg.weight_sync.bucket_mb, device)
     else:
         weight_sync.receive_weights(engine.model, group, src, dtype, cfg.weight_sync.bucket_mb, device)
 
 
-def _stop(engine: NativeEngine, controller: int, up) -> None:
+def _stop(engine: InferenceEngine, controller: int, up) -> None:
     # Every dispatched step is trained before the controller says stop, so nothing should be live.
     if engine.has_work():
         log.warning("stopping with requests still live; they are dropped")
-    transport.send(Message("done"), controller, up)
+    transport.send(protocol.done(), controller, up)

@@ -31,6 +31,7 @@ MFU = FLOPs / step_s / (world size x peak), peak = 989 TFLOP/s dense bf16 for H1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-MODULE = "meshrl.runtime.bench_trainer"
+MODULE = "meshrl.runtime.train.bench"
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
 
 
@@ -130,47 +131,20 @@ def make_rows(opts, vocab_size: int, num_rows: int, seed: int):
 
 def run_rank(opts: argparse.Namespace) -> dict | None:
     """The benchmark on this rank; returns the result on rank 0."""
-    from meshrl.models import get_family
-    from meshrl.parallel import parallelize
-    from meshrl.parallel.dims import ParallelDims, build_meshes
-    from meshrl.runtime.config import OptimConfig
-    from meshrl.runtime.layout import pick_device
-    from meshrl.runtime.trainer import Trainer
-
     cuda = torch.cuda.is_available() if opts.device == "auto" else opts.device == "cuda"
-    device = pick_device(cuda)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims.resolve(world, opts.dp_replicate, opts.dp_shard, opts.cp, opts.ep)
-    meshes = build_meshes(dims, list(range(world)), rank, device.type)
-
-    family = get_family(opts.family)
-    if opts.flavor not in family.flavors:
-        raise ValueError(f"unknown flavor {opts.flavor!r} of {opts.family}; known: {sorted(family.flavors)}")
-    args = family.flavors[opts.flavor]
-    if opts.vocab_size is not None:
-        import dataclasses
-
-        args = dataclasses.replace(args, vocab_size=opts.vocab_size)
-    with torch.device("meta"):
-        model = family.model_cls(args)
-    n_active = active_matmul_params(model)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # each rank initialises its own shards; random weights are all we need
-    trainer = Trainer(model, OptimConfig(lr=1e-5), device, dist.group.WORLD, meshes, opts.attention,
-                      opts.chunk_tokens, compute_dtype=dtype)
-    rows = make_rows(opts, args.vocab_size, opts.rows, seed=meshes.data_rank)
-
+    trainer, args, n_active, dims, dtype = _build(opts, cuda, rank, world)
+    device = trainer.device
+    rows = make_rows(opts, args.vocab_size, opts.rows, seed=trainer.meshes.data_rank)
+    tokens = opts.rows * opts.seq_len * dims.num_data_ranks
     times = []
     for step in range(opts.warmup + opts.steps):
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
-        trainer.sft_step(rows, num_loss_tokens=opts.rows * opts.seq_len * dims.num_data_ranks)
+        trainer.sft_step(rows, num_loss_tokens=tokens)
         if cuda:
             torch.cuda.synchronize()
         if step >= opts.warmup:
@@ -178,20 +152,10 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
         if cuda and step == 0:
             torch.cuda.reset_peak_memory_stats(device)
     if opts.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            trainer.sft_step(rows, num_loss_tokens=opts.rows * opts.seq_len * dims.num_data_ranks)
-            if cuda:
-                torch.cuda.synchronize()
-        if rank == 0:
-            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
+        _profile(trainer, rows, tokens, cuda, rank)
     peak_gib = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
     dist.all_reduce(peak_gib, op=dist.ReduceOp.MAX)
     step_s = statistics.median(times)
-    tokens = opts.rows * opts.seq_len * dims.num_data_ranks
     flops = step_flops(args, n_active, tokens, opts.rows * dims.num_data_ranks * attention_pairs(opts.seq_len, opts.docs))
     peak = peak_flops(opts, device)
     result = {
@@ -210,6 +174,52 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
     }
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
+    """(Trainer over the parallelized random model, its args, active matmul parameters, ParallelDims,
+    compute dtype)."""
+    from meshrl.models import get_family
+    from meshrl.parallel import parallelize
+    from meshrl.parallel.dims import ParallelDims, build_meshes
+    from meshrl.runtime.config import OptimConfig
+    from meshrl.runtime.layout import pick_device
+    from meshrl.runtime.train.trainer import Trainer
+
+    device = pick_device(cuda)
+    dims = ParallelDims.resolve(world, opts.dp_replicate, opts.dp_shard, opts.cp, opts.ep)
+    meshes = build_meshes(dims, list(range(world)), rank, device.type)
+    family = get_family(opts.family)
+    if opts.flavor not in family.flavors:
+        raise ValueError(f"unknown flavor {opts.flavor!r} of {opts.family}; known: {sorted(family.flavors)}")
+    args = family.flavors[opts.flavor]
+    if opts.vocab_size is not None:
+        args = dataclasses.replace(args, vocab_size=opts.vocab_size)
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    n_active = active_matmul_params(model)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()  # each rank initialises its own shards; random weights are all we need
+    trainer = Trainer(model, OptimConfig(lr=1e-5), device, dist.group.WORLD, meshes, opts.attention,
+                      opts.chunk_tokens, compute_dtype=dtype)
+    return trainer, args, n_active, dims, dtype
+
+
+def _profile(trainer, rows: list, tokens: int, cuda: bool, rank: int) -> None:
+    """One more step under the torch profiler; rank 0 prints the top kernels to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.sft_step(rows, num_loss_tokens=tokens)
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:

@@ -309,8 +309,9 @@ class TurnRouter:
     ``start`` registers an episode with its rank (a group stays on one replica, so its prefix
     cache serves every turn), sampling temperature and per-turn seed function; the driver's
     `Generate`s are queued per (rank, temperature, max_tokens, stop ids) and ``flush`` sends each
-    queue as one request message through ``send(rank, meta, request_ids, prompts, seeds)``;
-    request ids come from ``new_request_id()``.
+    queue as one request message through ``send(rank, sampling, request_ids, prompts, seeds)``,
+    where ``sampling`` holds the queue's SamplingParams fields (runtime/engine/sampling.py) but
+    the seed; request ids come from ``new_request_id()``.
     """
 
     def __init__(self, driver: EpisodeDriver, send: Callable[[int, dict, list[int], list[list[int]], list[int]], None],
@@ -352,7 +353,7 @@ class TurnRouter:
     def flush(self) -> None:
         """Send every queued turn, one message per (rank, sampling) queue."""
         for (rank, temperature, max_tokens, stop_ids), (ids, prompts, seeds) in self.outbox.items():
-            meta = {"temperature": temperature, "top_p": self.top_p if temperature > 0 else 1.0,
-                    "max_tokens": max_tokens, "stop_token_ids": list(stop_ids)}
-            self.send(rank, meta, ids, prompts, seeds)
+            sampling = {"temperature": temperature, "top_p": self.top_p if temperature > 0 else 1.0,
+                        "max_tokens": max_tokens, "stop_token_ids": list(stop_ids)}
+            self.send(rank, sampling, ids, prompts, seeds)
         self.outbox.clear()

@@ -27,7 +27,7 @@ k/v into their slots (block * block_size + offset) and attends over each row's b
   position). GQA is folded into the query length (the g query heads of a kv head become g x T
   query rows), so k/v are never repeated. Exact, simple, and fixed-shape when L is bucketed,
   but it moves every gathered key twice.
-- "triton" backend (CUDA decode only, T == 1): runtime/kernels.py's `paged_decode_attention`
+- "triton" backend (CUDA decode only, T == 1): runtime/engine/kernels.py's `paged_decode_attention`
   reads k/v straight from the blocks with an online softmax, tiles of 64 keys, tensor-core
   products and, for few rows, split key ranges. It reads each cached key once, which is what
   the decode loop is bound by. It is used only if triton imports; prefill always takes the torch
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from meshrl.runtime.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
+from meshrl.runtime.engine.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
 

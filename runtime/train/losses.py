@@ -9,16 +9,16 @@ Loss normalisation (used by `policy_loss` and `sft_loss`)
 A training step sees many micro-batches on each of ``dp`` data-parallel ranks. Every loss
 here is ``sum over this micro-batch's loss tokens / num_loss_tokens`` where
 ``num_loss_tokens`` is the loss-token count of the WHOLE step: all ranks, all micro-batches.
-The trainer then
+The trainer (runtime/train/trainer.py) then
 
 1. calls ``backward()`` on each micro-batch loss and lets gradients accumulate (a plain
    sum over micro-batches), and
-2. multiplies each loss by ``dp`` (the size of the data-parallel group FSDP reduces over),
-   because FSDP averages gradients over that group (it divides by ``dp``). Equivalently,
-   set FSDP's gradient divide factor to 1 and skip the multiplication.
+2. SUMS gradients over the data-parallel ranks: FSDP2's divide factor is 1 and its
+   reductions are forced to SUM (parallel/parallelize.py), so no loss is rescaled by ``dp``.
 
 The resulting gradient is exactly the gradient of the per-token mean over the global batch,
-independent of how tokens were split over ranks and micro-batches.
+independent of how tokens were split over ranks and micro-batches (and over expert-parallel
+shards, which a mean reduction could not express).
 """
 
 import torch
@@ -77,17 +77,9 @@ def _entropy(scaled: Tensor, lse: Tensor) -> Tensor:
     return lse - weighted.sum(dim=-1)  # (B, T)
 
 
-def policy_loss(
-    logprobs: Tensor,
-    inference_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    delta_low: float,
-    delta_high: float,
-    kl_coef: float,
-    num_loss_tokens: int,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
+                delta_low: float, delta_high: float, kl_coef: float,
+                num_loss_tokens: int) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance-weighted policy gradient with a binary trust region (DPPO) and a KL penalty.
 
     Per loss token, with ``d = logprobs - inference_logprobs`` (trainer minus inference),
@@ -103,8 +95,7 @@ def policy_loss(
 
     The loss is the sum of these terms over this micro-batch's loss tokens divided by
     ``num_loss_tokens``, the loss-token count of the whole step over all ranks and
-    micro-batches. The caller sums micro-batch gradients and multiplies the loss by the
-    data-parallel size to cancel FSDP's mean reduction (see the module docstring).
+    micro-batches; the caller sums gradients over micro-batches and ranks (module docstring).
 
     Args:
         logprobs: (B, T) fp32 trainer log-probabilities of the sampled tokens (with grad).
@@ -130,37 +121,44 @@ def policy_loss(
     log_ratio = torch.where(loss_mask, logprobs - inference_logprobs, 0.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
 
-    with torch.no_grad():
-        prob_diff = torch.exp(logprobs) - torch.exp(inference_logprobs)  # (B, T)
-        out_of_region = ((advantages > 0) & (prob_diff > delta_high)) | (
-            (advantages < 0) & (prob_diff < -delta_low)
-        )
-        masked = loss_mask & out_of_region  # (B, T)
-        keep = loss_mask & ~out_of_region  # (B, T)
-
+    out_of_region = _outside_trust_region(logprobs, inference_logprobs, advantages, delta_low, delta_high)
+    keep = loss_mask & ~out_of_region  # (B, T)
     pg_terms = torch.where(keep, -ratio * advantages, 0.0)  # (B, T)
     kl_terms = torch.where(loss_mask, kl_coef * 0.5 * log_ratio.square(), 0.0)  # (B, T)
     pg_sum, kl_sum = pg_terms.sum(), kl_terms.sum()
     loss = (pg_sum + kl_sum) / num_loss_tokens
+    return loss, _loss_stats(loss_mask, out_of_region, log_ratio, pg_sum, kl_sum)
 
-    with torch.no_grad():
-        d = log_ratio.detach()
-        stats = {
-            "loss_tokens": loss_mask.sum().float(),
-            "masked_tokens": masked.sum().float(),
-            "mismatch_kl_sum": torch.where(loss_mask, torch.exp(d) - d - 1.0, 0.0).sum().float(),
-            "ratio_sum": torch.where(loss_mask, ratio.detach(), 0.0).sum().float(),
-            "pg_loss_sum": pg_sum.detach().float(),
-            "kl_loss_sum": kl_sum.detach().float(),
-        }
-    return loss, stats
+
+@torch.no_grad()
+def _loss_stats(loss_mask: Tensor, out_of_region: Tensor, log_ratio: Tensor, pg_sum: Tensor,
+                kl_sum: Tensor) -> dict[str, Tensor]:
+    """The detached sums `policy_loss` returns (see its docstring)."""
+    d = log_ratio.detach()
+    return {
+        "loss_tokens": loss_mask.sum().float(),
+        "masked_tokens": (loss_mask & out_of_region).sum().float(),
+        "mismatch_kl_sum": torch.where(loss_mask, torch.exp(d) - d - 1.0, 0.0).sum().float(),
+        "ratio_sum": torch.where(loss_mask, torch.exp(d), 0.0).sum().float(),
+        "pg_loss_sum": pg_sum.detach().float(),
+        "kl_loss_sum": kl_sum.detach().float(),
+    }
+
+
+@torch.no_grad()
+def _outside_trust_region(logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, delta_low: float,
+                          delta_high: float) -> Tensor:
+    """(B, T) bool: tokens whose probability already moved past the Binary-TV bound in the
+    direction the update pushes it (``A > 0 and p - q > delta_high``, ``A < 0 and p - q < -delta_low``)."""
+    prob_diff = torch.exp(logprobs) - torch.exp(inference_logprobs)  # (B, T)
+    return ((advantages > 0) & (prob_diff > delta_high)) | ((advantages < 0) & (prob_diff < -delta_low))
 
 
 def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_loss_tokens: int) -> Tensor:
     """Negative log-likelihood summed over loss tokens, divided by ``num_loss_tokens``.
 
-    Same normalisation contract as `policy_loss` (global token count; caller multiplies by
-    the data-parallel size to cancel FSDP's mean reduction).
+    Same normalisation contract as `policy_loss` (global token count; gradients summed over
+    micro-batches and ranks).
 
     Args:
         logprobs: (B, T) fp32 log-probabilities of the target tokens.

@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from meshrl.models import get_family
-from meshrl.runtime.engine import NativeEngine, Request, SamplingParams
+from meshrl.runtime.engine.api import Request, SamplingParams
+from meshrl.runtime.engine.native import NativeEngine
 
 
 def flavor_args(family: str, flavor: str):

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from meshrl.runtime.kernels import chunk_stats, triton_available
+from meshrl.runtime.engine.kernels import chunk_stats, triton_available
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def _sample_truncated(logits: Tensor, batch: SamplingBatch, counters: Tensor) ->
 
 
 def _chunk_stats(logits: Tensor, divisor: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """runtime/kernels.py's chunk_stats (one Triton pass on CUDA), or the same in torch."""
+    """runtime/engine/kernels.py's chunk_stats (one Triton pass on CUDA), or the same in torch."""
     if logits.is_cuda and triton_available():
         return chunk_stats(logits, divisor, chunk)
     B, V = logits.shape

@@ -1,0 +1,55 @@
+"""Which engine an inference rank (or `meshrl eval`) runs, built from its config sections.
+
+`build_engine` picks the backend (`inference.backend`): the native engine over a models/ policy,
+or the vLLM adapter. A tensor-parallel replica's native engine is built over this rank's shard
+only: the model is shaped on the meta device, split there (parallel/tensor_parallel.py) and only
+then materialised, so no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshrl.parallel.tensor_parallel import check_tensor_parallel, shard_for_inference
+from meshrl.runtime.config import InferenceConfig, ModelConfig
+from meshrl.runtime.engine.api import InferenceEngine
+from meshrl.runtime.engine.native import NativeEngine
+from meshrl.runtime.policy import build_policy, policy_skeleton
+
+
+def build_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                 tp_group: torch.distributed.ProcessGroup | None = None) -> InferenceEngine:
+    """The engine of one inference rank; its weights are placeholders until the first weight sync."""
+    if inf.backend == "vllm":
+        from meshrl.runtime.engine.vllm_engine import build_vllm_engine
+
+        return build_vllm_engine(inf, model_cfg, device, dtype, seed=seed)
+    return build_native_engine(inf, model_cfg, device, dtype, seed, tp_group)
+
+
+def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                        seed: int, tp_group: torch.distributed.ProcessGroup | None = None,
+                        model: torch.nn.Module | None = None) -> NativeEngine:
+    """The native engine over `model` (default: the policy `model_cfg` names, loaded or initialised);
+    with `tp_group`, over this rank's shard of it, whose values are placeholders until the trainer's
+    first weight broadcast (which every inference rank receives before serving anything)."""
+    if model is None and tp_group is None:
+        model, _ = build_policy(model_cfg, device, dtype)
+    elif model is None:
+        model = policy_skeleton(model_cfg, dtype)[0]
+        shard_for_inference(model, tp_group)
+        model.to_empty(device=device)
+        model.init_weights(seed=model_cfg.init_seed)  # finite values for the engine's probe forward
+    return NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
+                        dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
+                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
+                        max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
+                        cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
+                        seed=seed, tp_group=tp_group)
+
+
+def check_tensor_parallel_model(inf: InferenceConfig, model_cfg: ModelConfig) -> None:
+    """ValueError before any process starts when the model cannot be split inference.tensor_parallel
+    ways (a family without a plan, heads or FFN width not divisible); nothing to check at 1."""
+    if inf.tensor_parallel > 1:
+        check_tensor_parallel(policy_skeleton(model_cfg)[0], inf.tensor_parallel)
