@@ -26,7 +26,7 @@ built-in multi-turn environments: they are written in text, it does the token bo
 
 Faults: anything an environment raises while starting, stepping or scoring an episode fails
 that rollout only (counted as rollouts/failed and excluded from training); see
-runtime/episodes.py for timeouts and memory limits.
+runtime/rollout/episodes.py for timeouts and memory limits.
 """
 
 from __future__ import annotations

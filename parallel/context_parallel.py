@@ -1,6 +1,6 @@
 """Context parallelism: one long packed row split over the `cp` ranks of the trainer mesh.
 
-A packed micro-batch is a single row (1, T) (runtime/packing.py). With context parallelism
+A packed micro-batch is a single row (1, T) (runtime/train/packing.py). With context parallelism
 each of the `cp` ranks of a group runs the model on T / cp of its tokens, and attention is
 made exact by letting every local query see the keys and values of the whole row:
 

@@ -17,7 +17,7 @@ The trainer ranks form a grid with named axes, outermost first:
 
 Gradients are summed, never averaged, over every axis (FSDP's divide factor is 1) and losses
 are normalised by the step's global loss-token count, so the update equals the
-single-process update of the whole batch whatever the degrees (runtime/algorithms.py).
+single-process update of the whole batch whatever the degrees (runtime/train/losses.py).
 
 torch creates a DeviceMesh over a subset of the world only from existing groups, so the
 groups are made here explicitly (every rank of the world calls `new_group` for every group,

@@ -14,7 +14,7 @@ as the family's `PARALLEL_PLAN["tp"]` says:
 
 The embedding, the norms (q_norm/k_norm act on one head and are shared by all heads), RoPE and
 the LM head stay replicated, so every rank computes the full logits and samples the same way
-(the engine still broadcasts the first rank's samples: runtime/engine.py `_to_host`).
+(the engine still broadcasts the first rank's samples: runtime/engine/native.py `_to_host`).
 
 Heads. The attention modules reshape with -1 heads, so they run on whatever the local
 projections hold. GQA keeps its grouping: query head h reads kv head h // (n_heads/n_kv_heads),

@@ -277,7 +277,7 @@ def _flash_attn_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tenso
 class VarlenDocumentAttention:
     """Document-causal attention with a flash-attention varlen kernel (one packed row).
 
-    doc_ids (1, T) with each document's tokens contiguous (what runtime/packing.py produces).
+    doc_ids (1, T) with each document's tokens contiguous (what runtime/train/packing.py produces).
     The row is handed to the kernel as (T, H, D) with cumulative document lengths, so no mask
     exists and no tile outside a document is computed. Flash kernels take bf16/fp16 only.
     `kernel`: "torch" (torch.nn.attention.varlen, torch >= 2.10) or "flash_attn" (the package).
