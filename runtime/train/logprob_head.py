@@ -1,11 +1,11 @@
 """A chunked LM head: target log-probabilities and entropy without the (B, T, V) logits.
 
-At V = 151936 and 16k tokens a row, the fp32 logits `algorithms.token_logprobs` keeps for
+At V = 151936 and 16k tokens a row, the fp32 logits `losses.token_logprobs` keeps for
 backward are ~9.3 GiB, plus their input-dtype copy. Here the flattened tokens are processed
 `chunk_tokens` at a time: forward keeps only the per-token logsumexp, and backward recomputes
 each chunk's logits from (hidden, weight), so at most one chunk of logits is alive at a time.
 
-The numbers are those of `algorithms.token_logprobs(F.linear(hidden, weight), targets, T)`:
+The numbers are those of `losses.token_logprobs(F.linear(hidden, weight), targets, T)`:
 logits in the input dtype, divided by the temperature in fp32, `log p(target) = z[target] -
 logsumexp(z)`, entropy detached. The trainer passes a `LogprobHead` to
 `model(tokens, positions, attn, head=...)`, which calls it inside the model's forward where
@@ -92,7 +92,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             target_z = z.gather(-1, targets[start:end, None]).squeeze(-1)  # (n,)
             logprobs[start:end] = target_z - lse_c
             lse[start:end] = lse_c
-            # H = lse - sum_v p_v z_v, as algorithms._entropy computes it; p is built in the
+            # H = lse - sum_v p_v z_v, as losses._entropy computes it; p is built in the
             # one (n, V) temporary so a chunk costs two fp32 (n, V) tensors at most.
             p = (z - lse_c[:, None]).exp_()  # (n, V)
             entropy[start:end] = lse_c - p.mul_(z).sum(dim=-1)

@@ -27,7 +27,7 @@ from meshrl.models.common.attention import CausalAttention, make_document_attent
 from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.parallel.dims import TrainerMeshes
 from meshrl.parallel.parallelize import clip_grad_norm_
-from meshrl.runtime.train import losses as algorithms
+from meshrl.runtime.train import losses
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.train.logprob_head import LogprobHead
 from meshrl.runtime.rundir import log
@@ -128,7 +128,7 @@ class Trainer:
         for mb in micro_batches:
             mb, logprobs, entropy = self._forward(mb, temperature)
             mask = mb["loss_mask"]
-            value, stats = algorithms.policy_loss(
+            value, stats = losses.policy_loss(
                 logprobs, mb["inference_logprobs"], mb["advantages"], mask,
                 delta_low=loss.delta_low, delta_high=loss.delta_high, kl_coef=loss.kl_coef,
                 num_loss_tokens=max(num_loss_tokens, 1))
@@ -164,7 +164,7 @@ class Trainer:
         for mb in micro_batches:
             mb, logprobs, _ = self._forward(mb, temperature=1.0)
             mask = mb["loss_mask"]
-            value = algorithms.sft_loss(logprobs, mask, max(num_loss_tokens, 1))
+            value = losses.sft_loss(logprobs, mask, max(num_loss_tokens, 1))
             aux_stats: dict[str, torch.Tensor] = {}
             value = self._with_aux(value, mask, num_loss_tokens, aux_stats)
             value.backward()

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from meshrl.models.common.attention import DocumentCausalAttention
 from meshrl.models.qwen3 import FLAVORS, Qwen3
 from meshrl.parallel.context_parallel import ContextParallelAttention, cp_split, pad_for_cp
-from meshrl.runtime.train import losses as algorithms
+from meshrl.runtime.train import losses
 from meshrl.runtime.train.packing import Sample, pack
 from tests.dist.multirank import run_ranks
 
@@ -33,8 +33,8 @@ def _row():
 
 def _nll(model, mb, attn, num_loss_tokens):
     logits = model(mb["input_ids"], mb["position_ids"], attn)  # (1, T, V)
-    logprobs, _ = algorithms.token_logprobs(logits, mb["targets"], temperature=1.0)
-    return algorithms.sft_loss(logprobs, mb["loss_mask"], num_loss_tokens), logprobs
+    logprobs, _ = losses.token_logprobs(logits, mb["targets"], temperature=1.0)
+    return losses.sft_loss(logprobs, mb["loss_mask"], num_loss_tokens), logprobs
 
 
 def _cp_matches_whole_row(rank, world_size):
