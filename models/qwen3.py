@@ -5,25 +5,10 @@ One file holds everything a family needs:
 - `Qwen3Args` and its conversion to and from an HF `config.json` dict;
 - `FLAVORS`: a tiny "debug" model for tests and the real Qwen3 shapes;
 - the modules (`Attention`, `TransformerBlock`, `Qwen3`; the SwiGLU `FeedForward` is shared, in common/ffn.py);
-- `PARALLEL_PLAN`: which submodules are FSDP units / how TP would split them, as data;
-- `Qwen3StateDictAdapter`: the explicit key map between our names and HF's.
-
-Our parameter names (torchtitan style) and their HF counterparts:
-
-    tok_embeddings.weight                   model.embed_tokens.weight
-    layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
-    layers.{i}.attention.wq.weight          model.layers.{i}.self_attn.q_proj.weight
-    layers.{i}.attention.wk.weight          model.layers.{i}.self_attn.k_proj.weight
-    layers.{i}.attention.wv.weight          model.layers.{i}.self_attn.v_proj.weight
-    layers.{i}.attention.wo.weight          model.layers.{i}.self_attn.o_proj.weight
-    layers.{i}.attention.q_norm.weight      model.layers.{i}.self_attn.q_norm.weight
-    layers.{i}.attention.k_norm.weight      model.layers.{i}.self_attn.k_norm.weight
-    layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
-    layers.{i}.feed_forward.w1.weight       model.layers.{i}.mlp.gate_proj.weight
-    layers.{i}.feed_forward.w2.weight       model.layers.{i}.mlp.down_proj.weight
-    layers.{i}.feed_forward.w3.weight       model.layers.{i}.mlp.up_proj.weight
-    norm.weight                             model.norm.weight
-    output.weight                           lm_head.weight      (absent when embeddings are tied)
+- `PARALLEL_PLAN`: which submodules are FSDP units / how tensor parallelism splits them, as data;
+- `INIT_RULES`: the init scheme, applied by common/init.py;
+- `KEY_MAP`: the explicit key map between our names (torchtitan style) and HF's, applied by
+  common/state_dict.py (`Qwen3StateDictAdapter`).
 
 With tied embeddings the model has no `output` module at all: the LM head *is*
 `tok_embeddings.weight` (see `Qwen3.output_weight`), so there is one parameter, one gradient
@@ -32,8 +17,6 @@ and one FSDP shard to keep in sync, and the state dict carries it once.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,10 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext
-from meshrl.models.common.ffn import FeedForward
 from meshrl.models.common.decoder import DecoderLM
+from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, apply_rope
+from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
 MODEL_TYPE = "qwen3"
 
@@ -168,11 +153,24 @@ FLAVORS: dict[str, Qwen3Args] = {
     "8B": replace(_QWEN3, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, tie_embeddings=False),
 }
 
-# Sharding plan as data, consumed by parallel/. Module paths are relative to `Qwen3`; "*" matches
-# one path component. FSDP2 wraps every block, then the root (which holds the embedding, final
-# norm and untied output; a tied LM head stays in the root unit with its embedding).
-# TP follows the usual Megatron split; attention reshapes with -1 heads so it runs on the local
-# heads of a column-sharded wq/wk/wv. (TP is not exercised by tests yet.)
+# Init scheme: embedding and all linear weights ~ N(0, 0.02), except the two residual output
+# projections of every block (attention.wo, feed_forward.w2), which use the depth-scaled std
+# 0.02 / sqrt(2 * n_layers) (GPT-2) so the residual stream's variance does not grow with depth;
+# the untied LM head ~ N(0, 0.02); all RMSNorm weights = 1. There are no biases.
+INIT_RULES = (
+    ("*norm.weight", ONES),
+    ("*attention.wo.weight", RESIDUAL),
+    ("*feed_forward.w2.weight", RESIDUAL),
+    ("*", NORMAL),
+)
+
+# Sharding plan as data. Module paths are relative to `Qwen3`; "*" matches one path component.
+# "fsdp_units" records what parallel/parallelize.py wraps (every block, then the root, which
+# holds the embedding, final norm and untied output; a tied LM head stays in the root unit with
+# its embedding). "tp" is read by parallel/tensor_parallel.py to split an inference replica
+# Megatron-style (wq/wk/wv, w1/w3 colwise; wo, w2 rowwise with an all-reduce); attention reshapes
+# with -1 heads so it runs on the local heads. tests/dist/test_tp_engine.py checks a two-rank TP
+# engine against the one-process engine (same greedy tokens, logprobs to 1e-5, weight updates).
 PARALLEL_PLAN: dict[str, Any] = {
     "fsdp_units": ["layers.*"],
     "tp": {
@@ -241,41 +239,19 @@ class Qwen3(DecoderLM):
     `output_weight` for callers that compute logprobs in chunks without materialising (B, T, V).
     """
 
+    init_rules = INIT_RULES
+
     def __init__(self, args: Qwen3Args) -> None:
-        super().__init__(args.vocab_size, args.dim, args.norm_eps, args.tie_embeddings, RotaryEmbedding(args.head_dim, args.rope_theta),
+        super().__init__(args, RotaryEmbedding(args.head_dim, args.rope_theta),
                          [TransformerBlock(args, i) for i in range(args.n_layers)])
-        self.args = args
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter in place (call after `to_empty()` when built on meta).
-
-        Scheme: embedding and all linear weights ~ N(0, 0.02), except the two residual output
-        projections of every block (attention.wo, feed_forward.w2), which use the depth-scaled
-        std 0.02 / sqrt(2 * n_layers) (GPT-2) so the residual stream's variance does not grow
-        with depth; the untied LM head ~ N(0, 0.02); all RMSNorm weights = 1. There are no biases.
-        With `seed`, a private generator on the parameters' device makes the result reproducible
-        without touching the global RNG; without it the global RNG is used.
-        """
-        device = self.tok_embeddings.weight.device
-        gen = None
-        if seed is not None and device.type != "meta":
-            gen = torch.Generator(device=device).manual_seed(seed)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith(("attention.wo", "feed_forward.w2"))
-                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_residual_out else std, generator=gen)
 
 
 # --------------------------------------------------------------------------------------------
 # HF state-dict adapter
 # --------------------------------------------------------------------------------------------
 
-# Per-block names; "{i}" is the layer index.
-_BLOCK_KEYS: dict[str, str] = {
+# Per-block names, relative to layers.{i}. and model.layers.{i}.; Qwen3-MoE shares them.
+ATTENTION_KEYS: dict[str, str] = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -284,60 +260,15 @@ _BLOCK_KEYS: dict[str, str] = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
-_TOP_KEYS: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Top level: tok_embeddings <-> model.embed_tokens, norm <-> model.norm, output <-> lm_head
+# (absent when embeddings are tied); every block: attention plus the SwiGLU feed_forward <-> mlp
+# (w1 <-> gate_proj, w2 <-> down_proj, w3 <-> up_proj).
+KEY_MAP = KeyMap(label="Qwen3", hf_label="Qwen3", top=DECODER_KEYS, block={**ATTENTION_KEYS, **SWIGLU_KEYS})
 
 
-class Qwen3StateDictAdapter:
-    """Renames state-dict keys between our layout and HF's; values pass through untouched
-    (so it works on DTensors and on gradients as well as on plain weights).
+class Qwen3StateDictAdapter(StateDictAdapter):
+    """`KEY_MAP` applied by the shared adapter (common/state_dict.py): keys are renamed, values
+    pass through untouched (DTensors and gradients too); unknown keys raise ValueError."""
 
-    Unknown keys raise ValueError naming the key. Tied embeddings: `to_hf` writes no
-    lm_head.weight; `from_hf` drops one if present (some checkpoints store the copy).
-    """
-
-    def __init__(self, args: Qwen3Args) -> None:
-        self.args = args
-        self._to_hf_block = _BLOCK_KEYS
-        self._from_hf_block = {v: k for k, v in _BLOCK_KEYS.items()}
-        self._from_hf_top = {v: k for k, v in _TOP_KEYS.items()}
-
-    def _layer(self, index: str, key: str) -> str:
-        if int(index) >= self.args.n_layers:
-            raise ValueError(f"state-dict key {key!r} names layer {index}, but the model has {self.args.n_layers}")
-        return index
-
-    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for key, value in state_dict.items():
-            if key == "output.weight" and self.args.tie_embeddings:
-                raise ValueError("state dict has 'output.weight' but the model ties its embeddings")
-            if key in _TOP_KEYS:
-                out[_TOP_KEYS[key]] = value
-            elif (m := _OURS_BLOCK.fullmatch(key)) and m.group(2) in self._to_hf_block:
-                out[f"model.layers.{self._layer(m.group(1), key)}.{self._to_hf_block[m.group(2)]}"] = value
-            else:
-                raise ValueError(f"unknown Qwen3 state-dict key {key!r}")
-        return out
-
-    def from_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for key, value in state_dict.items():
-            if key == "lm_head.weight" and self.args.tie_embeddings:
-                continue  # the tied head is tok_embeddings.weight itself
-            if key in self._from_hf_top:
-                out[self._from_hf_top[key]] = value
-            elif (m := _HF_BLOCK.fullmatch(key)) and m.group(2) in self._from_hf_block:
-                out[f"layers.{self._layer(m.group(1), key)}.{self._from_hf_block[m.group(2)]}"] = value
-            else:
-                raise ValueError(f"unknown HF Qwen3 state-dict key {key!r}")
-        return out
+    key_map = KEY_MAP

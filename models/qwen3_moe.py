@@ -6,36 +6,25 @@ One file holds everything a family needs:
 - `FLAVORS`: a tiny "debug" model, a few-billion-parameter benchmark shape and the real shapes;
 - the modules (`TransformerBlock`, `Qwen3Moe`); attention is Qwen3's (qwen3.Attention), the
   routed experts are common/moe.py's `MoE`, dense layers use the shared SwiGLU `FeedForward`;
-- `PARALLEL_PLAN`: FSDP units, expert sharding and TP as data;
-- `Qwen3MoeStateDictAdapter`: the explicit key map between our names and HF's.
+- `PARALLEL_PLAN`: FSDP units and expert sharding as data;
+- `INIT_RULES`: the init scheme, applied by common/init.py;
+- `KEY_MAP`: the explicit key map between our names and HF's, applied by common/state_dict.py
+  (`Qwen3MoeStateDictAdapter`).
 
 Against dense Qwen3 the only change is the feed-forward: layer i is a MoE layer unless it is
 listed in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step` (HF's rule).
 Routing: softmax over all experts in fp32, top-k, and with `norm_topk_prob` the k weights are
 renormalised to sum to 1; no shared expert.
 
-Our parameter names and their HF counterparts (attention, norms and embeddings as in qwen3.py):
-
-    layers.{i}.feed_forward.w1.weight    model.layers.{i}.mlp.gate_proj.weight     (dense layers)
-    layers.{i}.feed_forward.w2.weight    model.layers.{i}.mlp.down_proj.weight
-    layers.{i}.feed_forward.w3.weight    model.layers.{i}.mlp.up_proj.weight
-    layers.{i}.moe.router.weight         model.layers.{i}.mlp.gate.weight          (MoE layers)
-    layers.{i}.moe.experts.w1  (E, I, D) model.layers.{i}.mlp.experts.{j}.gate_proj.weight, j < E
-    layers.{i}.moe.experts.w2  (E, D, I) model.layers.{i}.mlp.experts.{j}.down_proj.weight
-    layers.{i}.moe.experts.w3  (E, I, D) model.layers.{i}.mlp.experts.{j}.up_proj.weight
-
-One grouped tensor of ours is E per-expert tensors on the hub (the layout of the released
-checkpoints, of transformers 4.x, and of what transformers 5 writes by default: in memory it
-fuses experts into `mlp.experts.gate_up_proj` (E, 2I, D) = [gate; up] and
+One grouped expert tensor of ours (E, ...) is E per-expert tensors on the hub (the layout of the
+released checkpoints, of transformers 4.x, and of what transformers 5 writes by default: in
+memory it fuses experts into `mlp.experts.gate_up_proj` (E, 2I, D) = [gate; up] and
 `mlp.experts.down_proj` (E, D, I), and converts back on save). We write the per-expert layout
-and read both. Reading per-expert keys one call at a time (as models/hf.py does) works because
-the adapter keeps the experts of a grouped tensor until all E have arrived.
+and read both; per-expert keys may arrive one call at a time (as models/hf.py loads them).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,12 +32,14 @@ import torch
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext
-from meshrl.models.common.ffn import FeedForward
-from meshrl.models.common.moe import MoE, GroupedExperts
 from meshrl.models.common.decoder import DecoderLM
+from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
+from meshrl.models.common.moe import MoE
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
-from meshrl.models.qwen3 import Attention, qwen3_fields_from_hf
+from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
+from meshrl.models.qwen3 import ATTENTION_KEYS, Attention, qwen3_fields_from_hf
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -195,9 +186,25 @@ FLAVORS: dict[str, Qwen3MoeArgs] = {
                          moe_hidden_dim=1536),
 }
 
-# Sharding plan as data, consumed by parallel/. Module paths are relative to `Qwen3Moe`; "*"
-# matches one path component. FSDP2 wraps the expert groups (on the expert-FSDP mesh once EP has
-# split them), then every block, then the root. EP splits each grouped expert tensor on dim 0.
+# Init scheme (Qwen3's, extended to experts): embedding, attention, dense SwiGLU, router and
+# expert w1/w3 weights ~ N(0, 0.02); the residual output projections (attention.wo, the dense
+# feed_forward.w2 and every expert's w2) ~ N(0, 0.02 / sqrt(2 * n_layers)); the untied LM head
+# ~ N(0, 0.02); RMSNorm weights = 1. No biases. Initialise before `apply_expert_parallel` (as
+# before FSDP): every rank then holds the same full model and keeps its slice of it.
+INIT_RULES = (
+    ("*norm.weight", ONES),
+    ("*attention.wo.weight", RESIDUAL),
+    ("*feed_forward.w2.weight", RESIDUAL),
+    ("*moe.experts.w2", RESIDUAL),
+    ("*", NORMAL),
+)
+
+# Sharding plan as data. Module paths are relative to `Qwen3Moe`; "*" matches one path component.
+# "fsdp_units" / "expert_fsdp_units" record what parallel/parallelize.py wraps: the expert groups
+# (on the expert-FSDP mesh once EP has split them), then every block, then the root; "ep": EP
+# splits each grouped expert tensor on dim 0. The "tp" rows are not used: parallel/
+# tensor_parallel.py refuses a plan with "ep" (inference TP exists for the dense families only;
+# tests/dist/test_tp_engine.py checks that it refuses this one).
 PARALLEL_PLAN: dict[str, Any] = {
     "fsdp_units": ["layers.*"],
     "expert_fsdp_units": ["layers.*.moe.experts"],
@@ -250,183 +257,48 @@ class Qwen3Moe(DecoderLM):
     carried through the HF config).
     """
 
+    init_rules = INIT_RULES
+
     def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__(args.vocab_size, args.dim, args.norm_eps, args.tie_embeddings, RotaryEmbedding(args.head_dim, args.rope_theta),
+        super().__init__(args, RotaryEmbedding(args.head_dim, args.rope_theta),
                          [TransformerBlock(args, i) for i in range(args.n_layers)])
-        self.args = args
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter in place (call after `to_empty()` when built on meta).
-
-        Scheme (Qwen3's, extended to experts): embedding, attention, dense SwiGLU, router and
-        expert w1/w3 weights ~ N(0, 0.02); the residual output projections (attention.wo, the
-        dense feed_forward.w2 and every expert's w2) ~ N(0, 0.02 / sqrt(2 * n_layers)); the untied
-        LM head ~ N(0, 0.02); RMSNorm weights = 1. No biases. With `seed`, a private generator
-        on the parameters' device makes the result reproducible without touching the global
-        RNG. Initialise before `apply_expert_parallel` (as before FSDP): every rank then holds
-        the same full model and keeps its slice of it.
-        """
-        device = self.tok_embeddings.weight.device
-        gen = None
-        if seed is not None and device.type != "meta":
-            gen = torch.Generator(device=device).manual_seed(seed)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, GroupedExperts):
-                module.init_weights(std, out_std, gen)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith(("attention.wo", "feed_forward.w2"))
-                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_residual_out else std, generator=gen)
 
 
 # --------------------------------------------------------------------------------------------
 # HF state-dict adapter
 # --------------------------------------------------------------------------------------------
 
-_ATTENTION_KEYS: dict[str, str] = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_DENSE_KEYS: dict[str, str] = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-_ROUTER_KEYS: dict[str, str] = {"moe.router.weight": "mlp.gate.weight"}
-# Grouped expert tensor of ours -> per-expert HF name ("{j}" = expert index).
-_EXPERT_KEYS: dict[str, str] = {
-    "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
-    "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
-    "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
-}
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight")
-_HF_EXPERT_PROJ = {"gate_proj": "moe.experts.w1", "down_proj": "moe.experts.w2", "up_proj": "moe.experts.w3"}
-# transformers 5's in-memory layout (written with save_pretrained(save_original_format=False)).
-_HF_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
-_HF_FUSED_DOWN = "mlp.experts.down_proj"
-_TOP_KEYS: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Top level and attention as in qwen3.py. Dense layers have Qwen3's SwiGLU keys, MoE layers the
+# router and the grouped experts; a key of the other kind raises. Block-relative names:
+#
+#   moe.router.weight           (E, D)  mlp.gate.weight
+#   moe.experts.w1           (E, I, D)  mlp.experts.{j}.gate_proj.weight, j < E
+#   moe.experts.w2           (E, D, I)  mlp.experts.{j}.down_proj.weight
+#   moe.experts.w3           (E, I, D)  mlp.experts.{j}.up_proj.weight
+#   (read only, transformers 5)         mlp.experts.gate_up_proj (E, 2I, D) = [w1; w3], mlp.experts.down_proj
+KEY_MAP = KeyMap(
+    label="Qwen3-MoE",
+    hf_label="Qwen3-MoE",
+    top=DECODER_KEYS,
+    block=ATTENTION_KEYS,
+    layer_keys={"dense": SWIGLU_KEYS, "MoE": {"moe.router.weight": "mlp.gate.weight"}},
+    layer_kind=lambda args, i: "MoE" if args.is_moe_layer(i) else "dense",
+    experts={
+        "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
+        "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
+        "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
+    },
+    fused_experts={
+        "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
+        "mlp.experts.down_proj": ("moe.experts.w2",),
+    },
+    expert_kind="MoE",
+)
 
 
-class Qwen3MoeStateDictAdapter:
-    """Maps state dicts between our layout and HF's (see the module docstring for the key map).
+class Qwen3MoeStateDictAdapter(StateDictAdapter):
+    """`KEY_MAP` applied by the shared adapter (common/state_dict.py). Non-expert values pass
+    through untouched; grouped experts are split into per-expert copies on `to_hf` and stacked on
+    `from_hf`, which keeps incomplete ones until all E experts arrive (`pending()`)."""
 
-    Non-expert values pass through untouched. `to_hf` splits each grouped expert tensor into E
-    per-expert copies (copies, not views: safetensors refuses tensors that share memory).
-    `from_hf` stacks per-expert tensors into grouped ones; it is stateful: the experts of one
-    grouped tensor may arrive over several calls and the grouped tensor is returned by the call
-    that completes it (`pending()` lists incomplete ones). It also reads transformers 5's fused
-    `gate_up_proj` / `down_proj`. Unknown keys, keys that do not fit the layer's kind (dense or
-    MoE) and out-of-range layer or expert indices raise ValueError naming the key.
-    """
-
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        self.args = args
-        self._from_hf_attention = {v: k for k, v in _ATTENTION_KEYS.items()}
-        self._from_hf_dense = {v: k for k, v in _DENSE_KEYS.items()}
-        self._from_hf_router = {v: k for k, v in _ROUTER_KEYS.items()}
-        self._from_hf_top = {v: k for k, v in _TOP_KEYS.items()}
-        self._partial: dict[str, dict[int, Tensor]] = {}  # our grouped key -> {expert index: tensor}
-
-    def _layer(self, index: str, key: str) -> int:
-        if int(index) >= self.args.n_layers:
-            raise ValueError(f"state-dict key {key!r} names layer {index}, but the model has {self.args.n_layers}")
-        return int(index)
-
-    def _check_kind(self, layer: int, moe_key: bool, key: str) -> None:
-        if moe_key != self.args.is_moe_layer(layer):
-            kind = "MoE" if self.args.is_moe_layer(layer) else "dense"
-            raise ValueError(f"state-dict key {key!r} does not fit layer {layer}, which is a {kind} layer")
-
-    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for key, value in state_dict.items():
-            if key == "output.weight" and self.args.tie_embeddings:
-                raise ValueError("state dict has 'output.weight' but the model ties its embeddings")
-            m = _OURS_BLOCK.fullmatch(key)
-            if key in _TOP_KEYS:
-                out[_TOP_KEYS[key]] = value
-            elif m is None:
-                raise ValueError(f"unknown Qwen3-MoE state-dict key {key!r}")
-            elif (name := m.group(2)) in _ATTENTION_KEYS:
-                out[f"model.layers.{self._layer(m.group(1), key)}.{_ATTENTION_KEYS[name]}"] = value
-            elif name in _DENSE_KEYS or name in _ROUTER_KEYS:
-                layer = self._layer(m.group(1), key)
-                self._check_kind(layer, name in _ROUTER_KEYS, key)
-                out[f"model.layers.{layer}.{_DENSE_KEYS.get(name) or _ROUTER_KEYS[name]}"] = value
-            elif name in _EXPERT_KEYS:
-                layer = self._layer(m.group(1), key)
-                self._check_kind(layer, True, key)
-                if value.shape[0] != self.args.num_experts:
-                    raise ValueError(f"{key!r} holds {value.shape[0]} experts, the model has {self.args.num_experts} "
-                                     f"(gather expert-parallel shards before converting)")
-                for j in range(self.args.num_experts):
-                    out[f"model.layers.{layer}.{_EXPERT_KEYS[name].format(j=j)}"] = value[j].clone()
-            else:
-                raise ValueError(f"unknown Qwen3-MoE state-dict key {key!r}")
-        return out
-
-    def from_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for key, value in state_dict.items():
-            if key == "lm_head.weight" and self.args.tie_embeddings:
-                continue  # the tied head is tok_embeddings.weight itself
-            m = _HF_BLOCK.fullmatch(key)
-            if key in self._from_hf_top:
-                out[self._from_hf_top[key]] = value
-            elif m is None:
-                raise ValueError(f"unknown HF Qwen3-MoE state-dict key {key!r}")
-            elif (name := m.group(2)) in self._from_hf_attention:
-                out[f"layers.{self._layer(m.group(1), key)}.{self._from_hf_attention[name]}"] = value
-            elif name in self._from_hf_dense or name in self._from_hf_router:
-                layer = self._layer(m.group(1), key)
-                self._check_kind(layer, name in self._from_hf_router, key)
-                out[f"layers.{layer}.{self._from_hf_dense.get(name) or self._from_hf_router[name]}"] = value
-            elif (e := _HF_EXPERT.fullmatch(name)) is not None:
-                layer = self._layer(m.group(1), key)
-                self._check_kind(layer, True, key)
-                out.update(self._add_expert(f"layers.{layer}.{_HF_EXPERT_PROJ[e.group(2)]}", int(e.group(1)), value,
-                                            key))
-            elif name in (_HF_FUSED_GATE_UP, _HF_FUSED_DOWN):
-                layer = self._layer(m.group(1), key)
-                self._check_kind(layer, True, key)
-                if name == _HF_FUSED_DOWN:
-                    out[f"layers.{layer}.moe.experts.w2"] = value
-                else:  # (E, 2I, D): gate rows first, then up rows
-                    gate, up = value.chunk(2, dim=1)
-                    out[f"layers.{layer}.moe.experts.w1"] = gate
-                    out[f"layers.{layer}.moe.experts.w3"] = up
-            else:
-                raise ValueError(f"unknown HF Qwen3-MoE state-dict key {key!r}")
-        return out
-
-    def _add_expert(self, grouped_key: str, expert: int, value: Tensor, key: str) -> dict[str, Tensor]:
-        if expert >= self.args.num_experts:
-            raise ValueError(f"state-dict key {key!r} names expert {expert}, but the model has "
-                             f"{self.args.num_experts}")
-        parts = self._partial.setdefault(grouped_key, {})
-        if expert in parts:
-            raise ValueError(f"state-dict key {key!r} appears twice")
-        parts[expert] = value
-        if len(parts) < self.args.num_experts:
-            return {}
-        del self._partial[grouped_key]
-        return {grouped_key: torch.stack([parts[j] for j in range(self.args.num_experts)])}
-
-    def pending(self) -> list[str]:
-        """Grouped keys with some but not all of their experts seen by `from_hf`."""
-        return sorted(self._partial)
+    key_map = KEY_MAP

@@ -3,40 +3,54 @@
     tokens -> tok_embeddings -> blocks (each: x, cos, sin, attn -> x) -> norm -> hidden
     hidden -> head(hidden, output_weight)   (default head: logits = hidden @ output_weight.T)
 
-A family subclasses `DecoderLM` and passes its blocks and RoPE; everything else (the
-`hidden` / `forward` / `output_weight` contract of models/qwen3.py, tied embeddings, the
-"0".."n-1" ModuleDict of blocks that parallel/ shards) lives here once. The families keep
-their own blocks, args, init scheme and HF key map.
+A family subclasses `DecoderLM`, passes its args, blocks and RoPE and sets `init_rules`;
+everything else (the `hidden` / `forward` / `output_weight` contract of models/qwen3.py, tied
+embeddings, the "0".."n-1" ModuleDict of blocks that parallel/ shards, `init_weights`) lives
+here once. The families keep their own blocks, args, init rules and HF key map.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
+from meshrl.models.common.init import InitRules, init_parameters
 from meshrl.models.common.norm import RMSNorm
 
 
 class DecoderLM(nn.Module):
     """Embedding, blocks, final RMSNorm and an optional untied LM head.
 
-    With `tie_embeddings` there is no `output` module at all: the LM head *is*
-    `tok_embeddings.weight` (one parameter, one gradient, one FSDP shard).
+    `args` is the family's args dataclass; it needs `vocab_size`, `dim`, `norm_eps`,
+    `tie_embeddings` and `n_layers`. With `tie_embeddings` there is no `output` module at all:
+    the LM head *is* `tok_embeddings.weight` (one parameter, one gradient, one FSDP shard).
     """
 
-    def __init__(self, vocab_size: int, dim: int, norm_eps: float, tie_embeddings: bool, rope: nn.Module,
-                 blocks: list[nn.Module]) -> None:
+    # The family's init scheme as (parameter-name pattern, init) rules (common/init.py).
+    init_rules: InitRules = ()
+
+    def __init__(self, args: Any, rope: nn.Module, blocks: list[nn.Module]) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.rope = rope
         # A ModuleDict keyed "0".."n-1" keeps the HF-like key names and lets a pipeline stage
         # delete blocks without renumbering the rest.
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        self.norm = RMSNorm(dim, eps=norm_eps)
-        self.output = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place by the family's `init_rules`, whose comment states
+        the scheme (call after `to_empty()` when built on meta). With `seed`, a private generator
+        on the parameters' device makes the result reproducible without touching the global RNG;
+        without it the global RNG is used."""
+        init_parameters(self, self.init_rules, self.args.n_layers, self.tok_embeddings.weight.device, seed)
 
     @property
     def output_weight(self) -> Tensor:
