@@ -1,11 +1,10 @@
-"""Environments: the protocols (envs/base.py) and the built-in tasks, by name.
+"""Environments: the protocols (envs/base.py), the built-in tasks and their registry.
 
-``make_env(name, **kwargs)`` builds one; "mix" takes ``envs=[(name, kwargs, weight), ...]``
-(envs/mix.py) and "verifiers" wraps a verifiers taskset (envs/verifiers_adapter.py, imported
-only when used).
+envs/registry.py holds the one table name -> (config class, constructor); `make_env(name,
+**kwargs)` builds one, and `EnvConfig` is the union of the config classes that runtime/config.py
+uses. "mix" takes ``envs=[(name, kwargs, weight), ...]`` (envs/mix.py) and "verifiers" wraps a
+verifiers taskset (envs/verifiers_adapter.py, imported only when used).
 """
-
-from typing import Any
 
 from .alphabet_sort import AlphabetSortEnv
 from .arithmetic import ArithmeticEnv
@@ -13,38 +12,10 @@ from .base import Environment, Episode, EpisodeEnvironment, Example, Reward, Tur
 from .calculator import CalculatorEnv
 from .mix import MixedEnv
 from .multiturn_sort import MultiTurnSortEnv
+from .registry import ENV_NAMES, ENVIRONMENTS, REGISTRY, EnvConfig, SingleEnvConfig, make_env
 from .reverse_text import ReverseTextEnv
 from .wordle import WordleEnv
 
-__all__ = ["ENVIRONMENTS", "AlphabetSortEnv", "ArithmeticEnv", "CalculatorEnv", "Environment", "Episode",
-           "EpisodeEnvironment", "Example", "MixedEnv", "MultiTurnSortEnv", "ReverseTextEnv", "Reward", "Turn",
-           "WordleEnv", "make_env", "make_episode"]
-
-
-def _verifiers_env(**kwargs: Any):
-    from .verifiers_adapter import VerifiersEnv  # verifiers is an optional extra
-
-    return VerifiersEnv(**kwargs)
-
-
-def _mix(envs: list[tuple[str, dict, float]]) -> MixedEnv:
-    return MixedEnv([(make_env(name, **kwargs), weight) for name, kwargs, weight in envs])
-
-
-ENVIRONMENTS: dict[str, Any] = {
-    "reverse-text": ReverseTextEnv,
-    "alphabet-sort": AlphabetSortEnv,
-    "multiturn-sort": MultiTurnSortEnv,
-    "wordle": WordleEnv,
-    "arithmetic": ArithmeticEnv,
-    "calculator": CalculatorEnv,
-    "verifiers": _verifiers_env,
-    "mix": _mix,
-}
-
-
-def make_env(name: str, **kwargs: Any):
-    """Build the environment registered as ``name`` with its constructor keyword arguments."""
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
-    return ENVIRONMENTS[name](**kwargs)
+__all__ = ["ENVIRONMENTS", "ENV_NAMES", "REGISTRY", "AlphabetSortEnv", "ArithmeticEnv", "CalculatorEnv", "EnvConfig",
+           "Environment", "Episode", "EpisodeEnvironment", "Example", "MixedEnv", "MultiTurnSortEnv",
+           "ReverseTextEnv", "Reward", "SingleEnvConfig", "Turn", "WordleEnv", "make_env", "make_episode"]

@@ -16,11 +16,34 @@ the first line of the completion and the sorted words joined by single spaces. M
 from __future__ import annotations
 
 import difflib
+from typing import Literal
+
+from pydantic import Field
 
 from .base import Example, Reward
+from .config import EnvConfigBase
 from .synthetic import check_range, example_rng, first_line, random_words
 
-__all__ = ["AlphabetSortEnv"]
+__all__ = ["AlphabetSortEnv", "AlphabetSortEnvConfig"]
+
+
+class AlphabetSortEnvConfig(EnvConfigBase):
+    """Sort a few random words alphabetically (built in, seeded; envs/alphabet_sort.py)."""
+
+    name: Literal["alphabet-sort"] = "alphabet-sort"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    min_words: int = Field(2, ge=1)
+    """Fewest words in a prompt."""
+    max_words: int = Field(4, ge=1)
+    """Most words in a prompt."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(6, ge=1)
+    """Longest word."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (similarity); unset ones weigh 1."""
 
 
 class AlphabetSortEnv:

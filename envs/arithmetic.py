@@ -17,11 +17,15 @@ Reward component ``correct`` (1 or 0); metric ``parsed`` (the completion holds a
 from __future__ import annotations
 
 import random
+from typing import Literal
+
+from pydantic import Field
 
 from .base import Example, Reward
+from .config import EnvConfigBase
 from .synthetic import check_range, example_rng, last_integer
 
-__all__ = ["ArithmeticEnv"]
+__all__ = ["ArithmeticEnv", "ArithmeticEnvConfig"]
 
 _NAMES = ("Ann", "Bo", "Cai", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
 _PRONOUNS = {"Ann": "She", "Bo": "He", "Cai": "He", "Dee": "She", "Eli": "He", "Fay": "She", "Gus": "He",
@@ -55,6 +59,25 @@ def _expression(rng: random.Random, low: int, high: int, num_ops: int) -> tuple[
     text = "".join(parts)
     # Only digits and + - * reach eval (built here, never model output): precedence as written.
     return f"{text}=", eval(text, {"__builtins__": {}}, {})  # noqa: S307
+
+
+class ArithmeticEnvConfig(EnvConfigBase):
+    """Integer arithmetic, as expressions or word problems, with an exact-answer verifier (envs/arithmetic.py)."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    style: Literal["expression", "word"] = "expression"
+    """Bare expressions ("12+7=") or short word problems."""
+    min_value: int = Field(1, ge=0)
+    """Smallest operand."""
+    max_value: int = Field(20, ge=0)
+    """Largest operand."""
+    num_ops: int = Field(1, ge=1)
+    """Operations per expression (style = "expression")."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (correct)."""
 
 
 class ArithmeticEnv:

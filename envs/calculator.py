@@ -29,13 +29,16 @@ Reward component ``correct`` (final answer equals the value); metrics ``tool_cal
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from .base import Example, Reward, TextEpisode
+from .config import EnvConfigBase
 from .sandbox import SandboxLimits, run_python
 from .synthetic import check_range, example_rng, first_line, last_integer
 
-__all__ = ["CalculatorEnv", "CALL_PREFIX"]
+__all__ = ["CalculatorEnv", "CalculatorEnvConfig", "CALL_PREFIX"]
 
 CALL_PREFIX = "CALL "
 INSTRUCTIONS = "Use the calculator by replying CALL <expression>; reply with the number when you know it.\n"
@@ -54,6 +57,31 @@ def run_calculator(expression: str, limits: SandboxLimits) -> str:
         last = result.stderr.strip().splitlines()[-1:] or ["the expression failed"]
         return f"error: {last[0][:120]}"
     return result.stdout.strip()[:120]
+
+
+class CalculatorEnvConfig(EnvConfigBase):
+    """Tool use: arithmetic with a calculator the model calls over several turns (envs/calculator.py)."""
+
+    name: Literal["calculator"] = "calculator"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    min_value: int = Field(10, ge=0)
+    """Smallest operand."""
+    max_value: int = Field(999, ge=0)
+    """Largest operand."""
+    num_ops: int = Field(2, ge=1)
+    """Operations per problem."""
+    max_tool_calls: int = Field(3, ge=0)
+    """Calculator calls per episode."""
+    instructions: bool = False
+    """Start the prompt with one line explaining the call format (for pretrained chat models)."""
+    tool_timeout_s: float = Field(2.0, gt=0)
+    """Time limit of one calculator call (its own process); past it the rollout fails."""
+    tool_memory_mb: int = Field(128, ge=16)
+    """Address-space limit of one calculator call; past it the rollout fails."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (correct)."""
 
 
 class CalculatorEnv:

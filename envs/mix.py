@@ -16,11 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from .base import Example, make_episode
+from .config import Base
 
-__all__ = ["MixedEnv", "integer_ratios", "mix_cycle"]
+__all__ = ["MixEnvConfig", "MixedEnv", "integer_ratios", "mix_cycle"]
 
 MAX_CYCLE = 10_000
 
@@ -52,6 +55,22 @@ def mix_cycle(ratios: list[int]) -> list[int]:
         current[pick] -= total
         cycle.append(pick)
     return cycle
+
+
+class MixEnvConfig(Base):
+    """Several environments in one run, each a share of the prompts set by its `weight` (envs/mix.py)."""
+
+    name: Literal["mix"] = "mix"
+    """Environment name."""
+    # SingleEnvConfig, the union of every registered environment's config but this one, is built by
+    # envs/registry.py from its table, which holds this class too: the registry resolves the name
+    # (MixEnvConfig.model_rebuild) right after building the union, so mix.py never imports it.
+    envs: list[SingleEnvConfig] = Field(min_length=1)  # noqa: F821
+    """The environments (`[[env.envs]]` tables, each with its name, settings and weight)."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """Constructor arguments of the mix: (name, kwargs, weight) per environment."""
+        return {"envs": [(e.name, e.kwargs(), e.weight) for e in self.envs]}
 
 
 class MixedEnv:

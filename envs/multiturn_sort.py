@@ -18,12 +18,38 @@ exactly), ``final_similarity`` (of the last turn), ``turns`` (turns played).
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from .base import Example, Reward, TextEpisode
+from .config import EnvConfigBase
 from .synthetic import check_range, example_rng, first_line, random_words
 
-__all__ = ["MultiTurnSortEnv"]
+__all__ = ["MultiTurnSortEnv", "MultiTurnSortEnvConfig"]
+
+
+class MultiTurnSortEnvConfig(EnvConfigBase):
+    """Keep a list sorted while it grows each turn; per-turn similarity reward (envs/multiturn_sort.py)."""
+
+    name: Literal["multiturn-sort"] = "multiturn-sort"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set."""
+    num_turns: int = Field(3, ge=1)
+    """Turns per episode."""
+    min_words: int = Field(2, ge=1)
+    """Fewest words in the first turn."""
+    max_words: int = Field(3, ge=1)
+    """Most words in the first turn."""
+    words_per_turn: int = Field(1, ge=1)
+    """Words added by each later turn."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(5, ge=1)
+    """Longest word."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (similarity)."""
 
 
 class MultiTurnSortEnv:

@@ -17,10 +17,39 @@ Reward: ``difflib.SequenceMatcher(None, parsed, answer).ratio()`` in [0, 1], whe
 import difflib
 import random
 import string
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from .base import Example
+from .config import EnvConfigBase
 
-__all__ = ["ReverseTextEnv"]
+__all__ = ["ReverseTextEnv", "ReverseTextEnvConfig"]
+
+
+class ReverseTextEnvConfig(EnvConfigBase):
+    """Reverse a few random words character by character (built in, seeded, no hub)."""
+
+    name: Literal["reverse-text"] = "reverse-text"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the synthetic data set (example i is a pure function of seed and i)."""
+    min_words: int = Field(1, ge=1)
+    """Fewest words in a prompt."""
+    max_words: int = Field(1, ge=1)
+    """Most words in a prompt."""
+    min_word_len: int = Field(3, ge=1)
+    """Shortest word."""
+    max_word_len: int = Field(6, ge=1)
+    """Longest word."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "ReverseTextEnvConfig":
+        if self.min_words > self.max_words:
+            raise ValueError(f"env.min_words ({self.min_words}) > env.max_words ({self.max_words})")
+        if self.min_word_len > self.max_word_len:
+            raise ValueError(f"env.min_word_len ({self.min_word_len}) > env.max_word_len ({self.max_word_len})")
+        return self
 
 
 class ReverseTextEnv:

@@ -21,13 +21,16 @@ Reward components: ``solved`` (1 if found; weight 1) and ``letters`` (best guess
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from .base import Example, Reward, TextEpisode
+from .config import EnvConfigBase
 from .synthetic import example_rng, first_line
 from .wordle_words import WORDS
 
-__all__ = ["WordleEnv", "feedback"]
+__all__ = ["WordleEnv", "WordleEnvConfig", "feedback"]
 
 DEFAULT_WEIGHTS = {"solved": 1.0, "letters": 0.2}
 
@@ -47,6 +50,19 @@ def feedback(guess: str, secret: str) -> str:
 
 def _valid(guess: str) -> bool:
     return len(guess) == 5 and guess.isascii() and guess.isalpha() and guess.islower()
+
+
+class WordleEnvConfig(EnvConfigBase):
+    """Guess a five-letter word with letter feedback, over several turns (envs/wordle.py)."""
+
+    name: Literal["wordle"] = "wordle"
+    """Environment name."""
+    seed: int = 0
+    """Seed of the secret words."""
+    max_turns: int = Field(6, ge=1)
+    """Guesses per episode."""
+    weights: dict[str, float] = {}
+    """Weights of reward components by name (solved: 1, letters: 0.2 unless set)."""
 
 
 class WordleEnv:

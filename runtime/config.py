@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-
-class Base(BaseModel):
-    """Common settings: unknown keys are errors, field docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+# `Base` (extra="forbid", field docstrings as descriptions) is defined once, in envs/ (the lower
+# layer, which may not import the runtime), for the environments' sections and these alike.
+from meshrl.envs.config import Base
+from meshrl.envs.registry import ENV_NAMES, EnvConfig
+from meshrl.envs.reverse_text import ReverseTextEnvConfig
 
 
 # ----------------------------------------------------------------------------- model
@@ -243,190 +243,8 @@ class WeightSyncConfig(Base):
 # ----------------------------------------------------------------------------- environments
 
 
-class _EnvBase(Base):
-    """Settings every environment has."""
-
-    weight: float = Field(1.0, gt=0)
-    """Share of the prompts when this environment is one of a mix (name = "mix"); ratios, any scale."""
-
-    def kwargs(self) -> dict[str, Any]:
-        """Constructor arguments of the environment."""
-        return self.model_dump(exclude={"name", "weight"})
-
-
-class ReverseTextEnvConfig(_EnvBase):
-    """Reverse a few random words character by character (built in, seeded, no hub)."""
-
-    name: Literal["reverse-text"] = "reverse-text"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the synthetic data set (example i is a pure function of seed and i)."""
-    min_words: int = Field(1, ge=1)
-    """Fewest words in a prompt."""
-    max_words: int = Field(1, ge=1)
-    """Most words in a prompt."""
-    min_word_len: int = Field(3, ge=1)
-    """Shortest word."""
-    max_word_len: int = Field(6, ge=1)
-    """Longest word."""
-
-    @model_validator(mode="after")
-    def _ranges(self) -> "ReverseTextEnvConfig":
-        if self.min_words > self.max_words:
-            raise ValueError(f"env.min_words ({self.min_words}) > env.max_words ({self.max_words})")
-        if self.min_word_len > self.max_word_len:
-            raise ValueError(f"env.min_word_len ({self.min_word_len}) > env.max_word_len ({self.max_word_len})")
-        return self
-
-
-class AlphabetSortEnvConfig(_EnvBase):
-    """Sort a few random words alphabetically (built in, seeded; envs/alphabet_sort.py)."""
-
-    name: Literal["alphabet-sort"] = "alphabet-sort"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the synthetic data set."""
-    min_words: int = Field(2, ge=1)
-    """Fewest words in a prompt."""
-    max_words: int = Field(4, ge=1)
-    """Most words in a prompt."""
-    min_word_len: int = Field(3, ge=1)
-    """Shortest word."""
-    max_word_len: int = Field(6, ge=1)
-    """Longest word."""
-    weights: dict[str, float] = {}
-    """Weights of reward components by name (similarity); unset ones weigh 1."""
-
-
-class MultiTurnSortEnvConfig(_EnvBase):
-    """Keep a list sorted while it grows each turn; per-turn similarity reward (envs/multiturn_sort.py)."""
-
-    name: Literal["multiturn-sort"] = "multiturn-sort"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the synthetic data set."""
-    num_turns: int = Field(3, ge=1)
-    """Turns per episode."""
-    min_words: int = Field(2, ge=1)
-    """Fewest words in the first turn."""
-    max_words: int = Field(3, ge=1)
-    """Most words in the first turn."""
-    words_per_turn: int = Field(1, ge=1)
-    """Words added by each later turn."""
-    min_word_len: int = Field(3, ge=1)
-    """Shortest word."""
-    max_word_len: int = Field(5, ge=1)
-    """Longest word."""
-    weights: dict[str, float] = {}
-    """Weights of reward components by name (similarity)."""
-
-
-class WordleEnvConfig(_EnvBase):
-    """Guess a five-letter word with letter feedback, over several turns (envs/wordle.py)."""
-
-    name: Literal["wordle"] = "wordle"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the secret words."""
-    max_turns: int = Field(6, ge=1)
-    """Guesses per episode."""
-    weights: dict[str, float] = {}
-    """Weights of reward components by name (solved: 1, letters: 0.2 unless set)."""
-
-
-class ArithmeticEnvConfig(_EnvBase):
-    """Integer arithmetic, as expressions or word problems, with an exact-answer verifier (envs/arithmetic.py)."""
-
-    name: Literal["arithmetic"] = "arithmetic"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the synthetic data set."""
-    style: Literal["expression", "word"] = "expression"
-    """Bare expressions ("12+7=") or short word problems."""
-    min_value: int = Field(1, ge=0)
-    """Smallest operand."""
-    max_value: int = Field(20, ge=0)
-    """Largest operand."""
-    num_ops: int = Field(1, ge=1)
-    """Operations per expression (style = "expression")."""
-    weights: dict[str, float] = {}
-    """Weights of reward components by name (correct)."""
-
-
-class CalculatorEnvConfig(_EnvBase):
-    """Tool use: arithmetic with a calculator the model calls over several turns (envs/calculator.py)."""
-
-    name: Literal["calculator"] = "calculator"
-    """Environment name."""
-    seed: int = 0
-    """Seed of the synthetic data set."""
-    min_value: int = Field(10, ge=0)
-    """Smallest operand."""
-    max_value: int = Field(999, ge=0)
-    """Largest operand."""
-    num_ops: int = Field(2, ge=1)
-    """Operations per problem."""
-    max_tool_calls: int = Field(3, ge=0)
-    """Calculator calls per episode."""
-    instructions: bool = False
-    """Start the prompt with one line explaining the call format (for pretrained chat models)."""
-    tool_timeout_s: float = Field(2.0, gt=0)
-    """Time limit of one calculator call (its own process); past it the rollout fails."""
-    tool_memory_mb: int = Field(128, ge=16)
-    """Address-space limit of one calculator call; past it the rollout fails."""
-    weights: dict[str, float] = {}
-    """Weights of reward components by name (correct)."""
-
-
-class VerifiersEnvConfig(_EnvBase):
-    """A verifiers (0.4, verifiers.v1) taskset run by our engine (envs/verifiers_adapter.py; the `verifiers` extra)."""
-
-    name: Literal["verifiers"] = "verifiers"
-    """Environment name."""
-    taskset: str
-    """The taskset: an import path `package.module:attr` (a Taskset subclass or instance, or a function
-    returning one) or the id of an installed taskset package."""
-    taskset_args: dict[str, Any] = {}
-    """Fields of the taskset's config (its TasksetConfig subclass)."""
-    mode: Literal["auto", "direct", "harness"] = "auto"
-    """direct: prompt -> one completion -> the task's reward and metric functions; harness: each episode runs
-    the task through a verifiers agent harness (multi-turn, tools, task setup) with an in-process client over
-    our engine; auto: harness when the task needs a runtime or has tool servers, else direct."""
-    harness: str = "null"
-    """Harness id for harness mode (a built-in verifiers harness that runs on the host, e.g. null or bash)."""
-    seed: int | None = None
-    """Shuffle the task order with this seed (unset: the taskset's own order)."""
-    label: str | None = None
-    """Name used in metrics (env/<label>/...); unset: the taskset's name."""
-
-
-_SingleEnvConfig = Annotated[
-    Union[ReverseTextEnvConfig, AlphabetSortEnvConfig, MultiTurnSortEnvConfig, WordleEnvConfig, ArithmeticEnvConfig,
-          CalculatorEnvConfig, VerifiersEnvConfig],
-    Field(discriminator="name"),
-]
-
-
-class MixEnvConfig(Base):
-    """Several environments in one run, each a share of the prompts set by its `weight` (envs/mix.py)."""
-
-    name: Literal["mix"] = "mix"
-    """Environment name."""
-    envs: list[_SingleEnvConfig] = Field(min_length=1)
-    """The environments (`[[env.envs]]` tables, each with its name, settings and weight)."""
-
-    def kwargs(self) -> dict[str, Any]:
-        """Constructor arguments of the mix: (name, kwargs, weight) per environment."""
-        return {"envs": [(e.name, e.kwargs(), e.weight) for e in self.envs]}
-
-
-EnvConfig = Annotated[
-    Union[ReverseTextEnvConfig, AlphabetSortEnvConfig, MultiTurnSortEnvConfig, WordleEnvConfig, ArithmeticEnvConfig,
-          CalculatorEnvConfig, VerifiersEnvConfig, MixEnvConfig],
-    Field(discriminator="name"),
-]
-_UNION_TAGS = {"reverse-text", "alphabet-sort", "multiturn-sort", "wordle", "arithmetic", "calculator", "verifiers",
-               "mix"}
+# The environments' config classes live next to the environments (envs/<name>.py); envs/registry.py
+# builds their union, `EnvConfig`, and their tags from its one table (imported above).
 
 
 class EpisodesConfig(Base):
@@ -833,7 +651,7 @@ def format_validation_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         # drop pydantic's internal steps and the tag of a tagged union ("env.reverse-text" -> "env")
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-") and x not in _UNION_TAGS)
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-") and x not in ENV_NAMES)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
