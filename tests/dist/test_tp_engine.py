@@ -179,7 +179,7 @@ def _cuda_job(rank, world_size, out):
     greedy = [Request(r.request_id, r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.sampling.max_tokens))
               for r in scenario()]
     done = run(engine, greedy)
-    assert engine._graphs, "no graph was captured"
+    assert engine.runner.graphs, "no graph was captured"
     torch.save(as_rows(done), out / f"cuda-rank{rank}.pt")
 
 

@@ -57,7 +57,7 @@ def assert_no_leak(engine: NativeEngine) -> None:
     engine.blocks.check()
     assert all(r == 0 for r in engine.blocks.ref), "a block is still referenced"
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
-    assert sorted(engine._free_rows) == list(range(engine.max_num_seqs)) and not engine._running
+    assert sorted(engine.scheduler.free_rows) == list(range(engine.max_num_seqs)) and not engine.scheduler.running
 
 
 @torch.no_grad()
@@ -454,7 +454,8 @@ def test_scheduler_invariants_under_random_traffic(graphs):
         if step < 220 and rng.random() < 0.5:
             prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
             if rng.random() < 0.2 and live:  # same prompt as an earlier request: fork / prefix hits
-                prompt = list(engine._live[live[-1]][0].request.prompt_ids) if live[-1] in engine._live else prompt
+                samples = engine.scheduler.live.get(live[-1])
+                prompt = list(samples[0].request.prompt_ids) if samples else prompt
             n = rng.choice([1, 1, 1, 2, 3])
             sampling = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 20), n=n,
                                       stop_token_ids=(rng.randrange(VOCAB),))
@@ -481,7 +482,7 @@ def emulate_cuda_graphs(engine: NativeEngine) -> NativeEngine:
     """Run the engine's CUDA-graph path on CPU: buckets, pads, static sampling buffers, one
     'graph' per (batch, blocks, sampling mode), replays writing into the captured outputs."""
     engine.cuda_graphs = True
-    engine._static_sampling = StaticSamplingBatch(engine.max_num_seqs, engine.device)
+    engine.runner.static_sampling = StaticSamplingBatch(engine.max_num_seqs, engine.device)
     return engine
 
 
@@ -507,7 +508,7 @@ def test_graph_path_gives_the_same_completions_as_eager():
     plain = run(make_engine(model, max_num_seqs=7, max_model_len=40))
     graphed_engine = emulate_cuda_graphs(make_engine(model, max_num_seqs=7, max_model_len=40))
     graphed = run(graphed_engine)
-    assert len(graphed_engine._graphs) >= 3  # several batch buckets and sampling modes were captured
+    assert len(graphed_engine.runner.graphs) >= 3  # several batch buckets and sampling modes were captured
     assert [x[:3] for x in graphed] == [x[:3] for x in plain]
     for a, b in zip(graphed, plain):
         assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded batches round differently
@@ -553,7 +554,7 @@ def test_cuda_graph_decode_equals_eager_decode(attention):
     eager = generate(cuda_engine(tiny_model(), torch.float32, cuda_graphs=False, attention="torch"), requests)
     engine = cuda_engine(tiny_model(), torch.float32, cuda_graphs=True, attention=attention)
     graphed = generate(engine, [Request(r.request_id, r.prompt_ids, r.sampling) for r in requests])
-    assert engine._graphs, "no graph was captured"
+    assert engine.runner.graphs, "no graph was captured"
     for a, b in zip(eager, graphed):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

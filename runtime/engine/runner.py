@@ -1,0 +1,284 @@
+"""The native engine's model runner: every forward of the model and every copy between host and
+device. It decides nothing; runtime/engine/scheduler.py chooses what each forward computes.
+
+- prefill    one eager forward of the prefill set (right-padded (B, T)): tokens, block tables,
+             start positions and lengths go to the device in one host array and one copy, and
+             positions and slots are derived there (no per-token Python); the logits of the rows
+             whose prompt is done.
+- decode     one forward of the decode set, one token per row, over persistent device buffers
+             (`DecodeRows`: token, position, slot, sampling counter, block table, context length
+             per row). On CUDA a captured graph per (bucketed batch, bucketed block count,
+             sampling mode) replays the whole forward and the sampler (models/common/fused.py
+             kernels inside it) and reads the static sampling buffers; on CPU tests
+             `_EmulatedGraph` stands in for it. Without graphs the forward runs eagerly.
+- samples    tokens and logprobs of either forward in one (2, B) float64 buffer, broadcast from
+             the first rank of a tensor-parallel replica so every rank appends the same tokens;
+             a decode's copy to the host goes to one of two pinned buffers and is waited for by a
+             CUDA event only when the next step reads it (one-step lookahead,
+             runtime/engine/native.py).
+
+The model has no cache of its own: it calls `attn.attend(layer_id, q, k, v)` in every layer and
+runtime/engine/kv_cache.py's `PagedAttention` writes k/v into the blocks and attends over them.
+Weight sync copies new weights into the model's parameters in place, so the graphs keep reading
+the right storages.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
+from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
+from meshrl.runtime.engine.sequence import Sequence
+
+
+def _batch_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    sizes += list(range(160, max_num_seqs + 64, 32 if max_num_seqs <= 512 else 64))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class DecodeRows:
+    """The decode forward's inputs, one entry per row: host arrays the scheduler edits in place,
+    and the persistent device buffers the forward (and its CUDA graphs) reads.
+
+    Host arrays (int64): the token to feed, its position, its cache slot, its sampling counter
+    (tokens generated so far) and `follow`: 1 when the token to feed is the one this row sampled
+    in the previous launch, which is still on the device (`last`) when the next launch is queued.
+    A row that does not decode this step holds the pad: token 0 at position 0, written to the
+    null block. A decoding row changes by +1 per launch, so the step's work on the host is a
+    handful of stores per row; block-table edits are queued as (row, index, block) and travel
+    with the inputs in `push`, the one host-to-device copy of a decode step. Arrays rather than
+    lists: they become a tensor by a memory copy, not an element-by-element conversion (~7x
+    faster at 256 rows).
+    """
+
+    def __init__(self, num_rows: int, max_blocks: int, device: torch.device) -> None:
+        self.token = array("q", bytes(8 * num_rows))
+        self.position = array("q", bytes(8 * num_rows))
+        self.slot = array("q", bytes(8 * num_rows))
+        self.count = array("q", bytes(8 * num_rows))
+        self.follow = array("q", bytes(8 * num_rows))
+        self.table_updates: list[int] = []  # row, index, block, row, index, block, ...
+        self.inputs = torch.zeros((4, num_rows, 1), dtype=torch.long, device=device)  # token, position, slot, count
+        self.context_lens = torch.ones(num_rows, dtype=torch.int32, device=device)
+        self.tables = torch.zeros((num_rows, max_blocks), dtype=torch.int32, device=device)
+        self.last = torch.zeros(num_rows, dtype=torch.long, device=device)  # tokens of the last launch
+
+    def clear(self, row: int) -> None:
+        self.token[row] = self.position[row] = self.slot[row] = self.count[row] = self.follow[row] = 0
+
+    def push(self, B: int) -> None:
+        """Copy rows [0, B) and the queued block-table entries to the device buffers."""
+        staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
+                  + array("q", self.table_updates))
+        dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
+        self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
+        self.inputs[0, :B, 0].copy_(torch.where(dev[4 * B:5 * B].bool(), self.last[:B], self.inputs[0, :B, 0]))
+        torch.add(dev[B:2 * B], 1, out=self.context_lens[:B])
+        if self.table_updates:
+            updates = dev[5 * B:].view(-1, 3)
+            self.tables.index_put_((updates[:, 0], updates[:, 1]), updates[:, 2].to(torch.int32))
+            self.table_updates = []
+
+
+class ModelRunner:
+    """Runs the model for the native engine: prefill forwards, decode launches (CUDA graphs or
+    eager), sampling, and the samples' way to the host (see the module docstring).
+
+    model: the engine's models/ module, already on `device` in its dtype, eval and frozen.
+    kv: the paged cache. max_blocks: block-table width of one row. attention: the decode attention
+    backend ("torch" or "triton"). cuda_graphs: capture decode forwards (CUDA; tests turn it on
+    for CPU, where graphs are emulated). tp_group: the tensor-parallel group whose first rank's
+    samples every rank takes, or None.
+    """
+
+    def __init__(self, model: nn.Module, kv: KVCache, *, max_num_seqs: int, max_blocks: int, block_size: int,
+                 device: torch.device, attention: Literal["torch", "triton"], cuda_graphs: bool,
+                 tp_group: torch.distributed.ProcessGroup | None) -> None:
+        self.model = model
+        self.kv = kv
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.device = device
+        self.attention = attention
+        self.cuda_graphs = cuda_graphs
+        self.tp_group = tp_group
+        # Persistent decode inputs, one entry per row (the scheduler writes their host side).
+        self.rows = DecodeRows(max_num_seqs, max_blocks, device)
+        self._buckets = _batch_buckets(max_num_seqs)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.static_sampling = StaticSamplingBatch(max_num_seqs, device) if cuda_graphs else None
+        self._host_out = [torch.empty((2, max_num_seqs), dtype=torch.float64, pin_memory=True)
+                          for _ in range(2)] if device.type == "cuda" else []  # two: a launch's copy never overwrites unread tokens
+        self._host_flip = 0
+        self._sampling_key: tuple[int, int] | None = None
+        self._sampling_batch: SamplingBatch | None = None
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_forward(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One eager forward of the prefill rows (sequence, tokens to compute now) -> hidden (B, T, dim)."""
+        bs, device = self.block_size, self.device
+        B, T = len(rows), max(n for _, n in rows)
+        nb = max(len(seq.table) for seq, _ in rows)
+        # Right-padded tokens, padded block tables, start positions and lengths in one host array
+        # and one copy; positions and slots are derived on the device (no per-token Python).
+        pad = [0] * max(T, nb)
+        host = array("q")
+        for seq, n in rows:
+            host.extend(seq.tokens[seq.num_computed:seq.num_computed + n])
+            host.extend(pad[:T - n])
+        for seq, _ in rows:
+            host.extend(seq.table)
+            host.extend(pad[:nb - len(seq.table)])  # NULL_BLOCK
+        host.extend([seq.num_computed for seq, _ in rows] + [n for _, n in rows])
+        dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
+        tokens = dev[:B * T].view(B, T)
+        tables = dev[B * T:B * (T + nb)].view(B, nb)
+        starts, lengths = dev[B * (T + nb):].view(2, B)
+        offsets = torch.arange(T, device=device)
+        positions = starts[:, None] + offsets  # (B, T); pads continue their row's positions
+        blocks = tables.gather(1, (positions // bs).clamp(max=nb - 1))
+        slots = torch.where(offsets < lengths[:, None], blocks * bs + positions % bs, NULL_BLOCK)  # pads: null block
+        fresh = all(seq.num_computed == 0 for seq, _ in rows)
+        attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
+        return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
+
+    def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
+                       samplers: list[Sequence]) -> tuple[list[int], list[float]]:
+        """Sample samplers[i] from the logits at hidden[done_rows[logit_rows[i]], last[logit_rows[i]]]
+        (a prompt's followers share its row) -> tokens and logprobs on the host."""
+        device = self.device
+        index = torch.tensor(done_rows, device=device)
+        logits = F.linear(hidden[index, torch.tensor(last, device=device)], self.model.output_weight)  # (D, V)
+        if len(logit_rows) != len(done_rows):
+            logits = logits[torch.tensor(logit_rows, device=device)]
+        batch = SamplingBatch.build([s.request.sampling for s in samplers], [s.seed for s in samplers], device)
+        counters = torch.tensor([len(s.tokens) - s.num_prompt for s in samplers], device=device)
+        tokens, logprobs = sample(logits, batch, counters)
+        out = self._samples(tokens, logprobs).cpu()
+        return out[0].long().tolist(), out[1].tolist()
+
+    # ------------------------------------------------------------------ decode
+
+    def launch_decode(self, seqs: list[Sequence], num_rows: int, layout_version: int
+                      ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue one decode forward and its sampler over rows [0, num_rows) (rounded up to a graph's
+        batch bucket) from the rows' host inputs -> the (2, B) tokens / logprobs on their way to
+        the host and the CUDA event that marks their arrival (None on CPU). The tokens also stay
+        on the device (`rows.last`) for the next launch to feed. seqs: the decode set (their
+        sampling batch is rebuilt when `layout_version` or the batch size changed)."""
+        bs, rows = self.block_size, self.rows
+        B = next(b for b in self._buckets if b >= num_rows) if self.cuda_graphs else num_rows
+        if self.attention == "triton":
+            nb = self.max_blocks  # the kernel stops at each row's own length
+        else:
+            needed = max(rows.position[:B]) // bs + 1  # pad rows sit at position 0
+            nb = min(1 << (needed - 1).bit_length(), self.max_blocks) if self.cuda_graphs else needed
+        key = (B, layout_version)
+        if key != self._sampling_key:  # the decode set changed; built before the forward is queued
+            params: list[SamplingParams | None] = [None] * B  # pad rows
+            seeds = [0] * B
+            for seq in seqs:
+                params[seq.row], seeds[seq.row] = seq.request.sampling, seq.seed
+            self._sampling_batch = SamplingBatch.build(params, seeds, self.device)
+            if self.cuda_graphs:
+                self.static_sampling.load(self._sampling_batch)
+            self._sampling_key = key
+        if self.cuda_graphs:
+            # The graph runs the forward and the sampler: one launch for the whole step.
+            key = (B, nb, self._sampling_batch.mode())
+            if key not in self.graphs:
+                self._capture(*key)
+            graph, (tokens, logprobs) = self.graphs[key]
+            rows.push(B)
+            graph.replay()
+        else:
+            rows.push(B)
+            tokens, logprobs = sample(self._decode_forward(B, nb), self._sampling_batch, rows.inputs[3, :B, 0])
+        out = self._samples(tokens, logprobs)  # (2, B); every rank of a TP replica feeds rank 0's tokens
+        rows.last[:B].copy_(out[0])
+        event = None
+        if self.device.type == "cuda":
+            host = self._host_out[self._host_flip][:, :B]
+            self._host_flip ^= 1
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = out
+        return host, event
+
+    @staticmethod
+    def read_decode(host: torch.Tensor, event: torch.cuda.Event | None) -> tuple[list[int], list[float]]:
+        """A launch's (2, B) samples on the host, once they are there -> tokens and logprobs by row."""
+        if event is not None:
+            event.synchronize()
+        return host[0].long().tolist(), host[1].tolist()
+
+    def _decode_forward(self, B: int, nb: int) -> torch.Tensor:
+        """The decode forward over rows [0, B) of the buffers -> logits (B, V): what a graph captures."""
+        inputs = self.rows.inputs
+        attn = PagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
+                              self.rows.context_lens[:B], backend=self.attention)
+        hidden = self.model.hidden(inputs[0, :B], inputs[1, :B], attn)  # (B, 1, dim)
+        return F.linear(hidden[:, -1], self.model.output_weight)
+
+    def _capture(self, B: int, nb: int, mode: tuple) -> None:
+        """Capture the decode forward for B rows and nb blocks and the sampler of `mode` over its
+        logits (reading the static sampling buffers); pads write only to the null block."""
+        self.rows.inputs[:, :B].zero_()
+        self.rows.context_lens[:B].fill_(1)
+        batch = self.static_sampling.view(B, mode)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            return sample(self._decode_forward(B, nb), batch, self.rows.inputs[3, :B, 0])
+
+        if self.device.type != "cuda":  # tests exercise the static-buffer logic on CPU
+            graph = _EmulatedGraph(step)
+            self.graphs[(B, nb, mode)] = (graph, graph.out)
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the triton kernels, create cuBLAS workspaces: outside the capture
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = step()
+        self.graphs[(B, nb, mode)] = (graph, out)
+
+    # ------------------------------------------------------------------ samples
+
+    def _samples(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """tokens, logprobs (B,) -> one (2, B) float64 device buffer (fp32 logprobs and token ids are
+        exact in it: one device-to-host copy). In a tensor-parallel replica the group's first
+        rank's samples are broadcast, so every rank appends the same tokens and its scheduler stays
+        in lockstep with the others."""
+        out = torch.empty((2, tokens.shape[0]), dtype=torch.float64, device=self.device)
+        out[0].copy_(tokens)
+        out[1].copy_(logprobs)
+        if self.tp_group is not None:
+            torch.distributed.broadcast(out, group=self.tp_group, group_src=0)
+        return out
+
+
+class _EmulatedGraph:
+    """A CPU stand-in for a captured CUDA graph (tests): `replay` reruns the step and writes its
+    results into the tensors the capture returned, which is what a graph replay does."""
+
+    def __init__(self, step: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.step = step
+        self.out = step()
+
+    def replay(self) -> None:
+        for out, new in zip(self.out, self.step()):
+            out.copy_(new)
