@@ -185,7 +185,7 @@ def run_hf(model, args, prompts: list[list[int]], gen_tokens: int, device: torch
     return len(prompts) * gen_tokens / elapsed
 
 
-def main(argv: list[str]) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="qwen3")
     parser.add_argument("--flavor", default=None, help="default: 0.6B on CUDA, tiny on CPU")
@@ -204,13 +204,13 @@ def main(argv: list[str]) -> None:
                         help="profile 20 decode steps of a further run: top ops to stderr, Chrome trace to TRACE")
     parser.add_argument("--stub", action="store_true",
                         help="a stand-in model of negligible compute (implies --no-hf): the engine's own cost per step")
-    opts = parser.parse_args(argv)
-    device = torch.device(opts.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("meshrl bench engine: --device cuda but CUDA is not available")
-    flavor = opts.flavor or ("0.6B" if device.type == "cuda" else "tiny")
-    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    return parser
 
+
+def _build(opts: argparse.Namespace, device: torch.device, flavor: str, dtype: torch.dtype):
+    """The model (real or stub) and an engine over it with a KV cache sized to the workload ->
+    (model, args or None, engine); CUDA's peak-memory count starts before the engine."""
+    args = None
     if opts.stub:
         torch.manual_seed(opts.seed)
         model = StubModel(flavor_args(opts.family, flavor).vocab_size).to(device=device, dtype=dtype)
@@ -224,6 +224,18 @@ def main(argv: list[str]) -> None:
                           dtype=dtype, block_size=opts.block_size, num_blocks=opts.num_seqs * blocks_per_seq + 1,
                           max_num_batched_tokens=opts.max_num_batched_tokens, attention=opts.attention,
                           cuda_graphs=device.type == "cuda" and not opts.no_cuda_graphs, seed=opts.seed)
+    return model, args, engine
+
+
+def main(argv: list[str]) -> None:
+    opts = _parser().parse_args(argv)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("meshrl bench engine: --device cuda but CUDA is not available")
+    flavor = opts.flavor or ("0.6B" if device.type == "cuda" else "tiny")
+    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+    model, args, engine = _build(opts, device, flavor, dtype)
     vocab = model.output_weight.shape[0]
     if device.type == "cuda":  # capture the graphs of this shape outside the timed run
         run_engine(engine, random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed + 1), opts.gen_tokens,

@@ -37,6 +37,12 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernels():
+    """The Triton kernels (decode, merge, chunk_stats), defined and jitted on first use: importing
+    this module never needs triton."""
+    return _decode_kernel(), _merge_kernel(), _chunk_stats_kernel()
+
+
+def _decode_kernel():
     import triton
     import triton.language as tl
 
@@ -95,6 +101,13 @@ def _kernels():
             tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
+    return decode
+
+
+def _merge_kernel():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def merge(part_ptr, m_ptr, l_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,
               stride_ob, stride_oh, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr):
@@ -111,6 +124,13 @@ def _kernels():
         out = tl.sum(part * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
         tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
+    return merge
+
+
+def _chunk_stats_kernel():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def chunk_stats(x_ptr, div_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, n_chunks, C: tl.constexpr):
         row = tl.program_id(0)
@@ -124,7 +144,7 @@ def _kernels():
         tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), axis=0))
         tl.store(arg_ptr + out, tl.argmax(x, axis=0).to(tl.int64))  # first index of the max
 
-    return decode, merge, chunk_stats
+    return chunk_stats
 
 
 @functools.cache
