@@ -5,19 +5,11 @@ lowest rows first keeps decode batches dense), the block tables (runtime/engine/
 `BlockManager` and prefix cache), the host side of the decode rows' inputs, the stop rules'
 outcome (finish, abort, free) and the invariant checks. Forwards are runtime/engine/runner.py's.
 
-Per step (`NativeEngine.step`, runtime/engine/native.py):
-
-    1. decode set   every running sequence whose only uncomputed token is its last sampled one;
-                    each gets room for that token's k/v (a new block, or a private copy of a
-                    shared one); when the cache is out of blocks the newest running sequence is
-                    preempted (blocks freed, back to the front of the queue, recomputed later)
-    2. prefill set  sequences part-way through a long prompt, then waiting requests admitted
-                    FIFO while rows, blocks and `max_num_batched_tokens` allow; a prompt's full
-                    blocks found in the prefix cache are shared instead of recomputed
-    then, once the runner has the tokens: append them; stop id / stop string / max_tokens /
-    max_model_len -> Completion, blocks and row freed at once
-
-Decode runs every step and prefill gets a token budget per step, so neither starves the other.
+Of one step (the five stages are listed in runtime/engine/native.py) the scheduler does stage 1,
+the decode set with a writable block for every row (copy-on-write, preemption of the newest
+sequence when blocks run out), stage 2, the prefill set admitted FIFO under the row, block and
+`max_num_batched_tokens` budgets (prefix-cache hits shared, not recomputed), and the bookkeeping
+after each forward: append the tokens, apply the stop rules, free what finished.
 
 Host work of a decode step is one Python pass over the decode set (append the sampled token,
 check the stop rules, store the row's next token / position / slot / counter in host arrays).
