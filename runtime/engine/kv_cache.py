@@ -4,7 +4,9 @@ Storage. One tensor holds every layer's keys and values, shaped
 (n_layers, 2, Hkv, num_blocks, block_size, D): head-major, so one head's keys of a block are
 contiguous and a gather by block table gives (Hkv, B, L, D) that batched matmuls take without
 a transposing copy (about half of a CPU decode step went into that copy). `KVCache.layer` hands
-out (num_blocks, block_size, Hkv, D) views of it. A sequence owns a *block table*: the list of
+out (num_blocks, block_size, Hkv, D) views of it. Values narrower than keys (MLA) get a tensor
+of their own dim; every write checks the tensor against the dims of its cache and raises on a
+mismatch. A sequence owns a *block table*: the list of
 block ids holding its positions 0.., block_size positions per block. Block 0 is the null
 block: it is never handed out, padded rows write their garbage k/v there and padded table
 entries point at it, so fixed-shape (CUDA-graph) batches need no branches.
@@ -198,34 +200,65 @@ class BlockManager:
 
 
 class KVCache:
-    """The k/v storage: (n_layers, 2, Hkv, num_blocks, block_size, D) in the model dtype.
+    """The k/v storage of every attention layer, in the model dtype.
+
+    Keys are (n_layers, Hkv, num_blocks, block_size, head_dim) and values (n_layers, Hkv,
+    num_blocks, block_size, v_head_dim). When the two dims agree (every GQA family) both are views
+    of one (n_layers, 2, Hkv, num_blocks, block_size, D) tensor `data`, the layout the Triton
+    kernel reads. A family whose values are narrower than its keys (MLA: DeepSeek-V3's q/k head
+    dim is nope + rope, its v head dim its own) gets two tensors and `data` is None. Writes check
+    each tensor against its own dims (`write_slots`), so a k or v of another shape raises.
 
     layer_ids: the ids the model passes to `attend`, in the order of the storage's first dim.
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, v_head_dim: int | None = None) -> None:
         self.index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.data = torch.zeros((len(layer_ids), 2, num_kv_heads, num_blocks, block_size, head_dim),
-                                dtype=dtype, device=device)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        shape = (len(layer_ids), num_kv_heads, num_blocks, block_size)
+        self.data: Tensor | None = None
+        if self.v_head_dim == head_dim:
+            self.data = torch.zeros((len(layer_ids), 2, *shape[1:], head_dim), dtype=dtype, device=device)
+        else:
+            self._k = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
+            self._v = torch.zeros((*shape, self.v_head_dim), dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        return num_layers * block_size * num_kv_heads * (head_dim + v_head_dim) * dtype.itemsize
+
+    def _storage(self) -> tuple[Tensor, Tensor]:
+        """(keys, values), each (n_layers, Hkv, num_blocks, block_size, its head dim)."""
+        if self.data is not None:
+            return self.data[:, 0], self.data[:, 1]
+        return self._k, self._v
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
-        """(k, v) of one layer, each a (num_blocks, block_size, Hkv, D) view of the head-major storage."""
-        kv = self.data[self.index[layer_id]]
-        return kv[0].permute(1, 2, 0, 3), kv[1].permute(1, 2, 0, 3)
+        """(k, v) of one layer, each a (num_blocks, block_size, Hkv, its head dim) view of the head-major storage."""
+        if layer_id not in self.index:
+            raise ValueError(f"attention layer {layer_id} has no KV cache (the cache holds layers {sorted(self.index)})")
+        i = self.index[layer_id]
+        k, v = self._storage()
+        return k[i].permute(1, 2, 0, 3), v[i].permute(1, 2, 0, 3)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
         if src:
-            s = torch.tensor(src, device=self.data.device)
-            d = torch.tensor(dst, device=self.data.device)
-            self.data[:, :, :, d] = self.data[:, :, :, s]
+            k, _ = self._storage()
+            s = torch.tensor(src, device=k.device)
+            d = torch.tensor(dst, device=k.device)
+            if self.data is not None:
+                self.data[:, :, :, d] = self.data[:, :, :, s]
+            else:
+                for t in (self._k, self._v):
+                    t[:, :, d] = t[:, :, s]
 
 
 # ---------------------------------------------------------------------------- attention
@@ -238,7 +271,7 @@ def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
 
 
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q (B, Hq, T, D), k/v (Hkv, B, L, D) head-major, mask (B, 1, T, L) bool -> (B, Hq, T, D).
+    """q (B, Hq, T, D), k (Hkv, B, L, D), v (Hkv, B, L, Dv) head-major, mask (B, 1, T, L) bool -> (B, Hq, T, Dv).
 
     The Hq / Hkv query heads that share a kv head are stacked along the query length, so a
     masked (memory-efficient) kernel runs GQA without repeating k/v; (kv head, row) are the
@@ -257,7 +290,7 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         out = weights.to(v.dtype) @ v
     else:
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf)
-    return out.transpose(0, 1).reshape(B, num_q_heads, T, D)
+    return out.transpose(0, 1).reshape(B, num_q_heads, T, v.shape[-1])
 
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
@@ -273,10 +306,26 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, table
     return grouped_sdpa(q, keys, values, mask)
 
 
+def check_fits(cache: Tensor, slots: Tensor, x: Tensor) -> None:
+    """ValueError unless x (B, Hkv, T, D) has the heads and head dim of cache (num_blocks, bs, Hkv, D)
+    and one slot per token."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    if x.dim() != 4 or x.shape[1] != num_kv_heads or x.shape[3] != head_dim:
+        raise ValueError(f"cannot write a tensor of shape {tuple(x.shape)} into a KV cache of {num_kv_heads} heads "
+                         f"x {head_dim} dims per token (the cache was sized for another layer shape)")
+    if x.shape[0] * x.shape[2] != slots.numel():
+        raise ValueError(f"{x.shape[0] * x.shape[2]} new tokens but {slots.numel()} cache slots")
+
+
 def write_slots(cache: Tensor, slots: Tensor, x: Tensor) -> None:
     """Store x (B, Hkv, T, D) at the flat slots (B * T,) of a (num_blocks, bs, Hkv, D) view of
-    head-major storage (view() fails loudly on any other layout instead of writing to a copy)."""
-    num_kv_heads, head_dim = x.shape[1], x.shape[3]
+    head-major storage (view() fails loudly on any other layout instead of writing to a copy).
+
+    x must have the cache's heads and head dim: viewing the storage with x's shape instead would
+    reinterpret it (a narrower v would be scattered across the wrong slots without any error).
+    """
+    check_fits(cache, slots, x)
+    _, _, num_kv_heads, head_dim = cache.shape
     storage = cache.permute(2, 0, 1, 3).view(num_kv_heads, -1, head_dim)  # (Hkv, num_blocks * bs, D)
     storage.index_copy_(1, slots, x.transpose(0, 1).reshape(num_kv_heads, -1, head_dim))
 
@@ -307,6 +356,7 @@ class PagedAttention:
         """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); k/v are written to the cache first."""
         k_cache, v_cache = self.cache.layer(layer_id)
         flat = self.slots.reshape(-1)
+        check_fits(v_cache, flat, v)  # both checked before either is written
         write_slots(k_cache, flat, k)
         write_slots(v_cache, flat, v)
         if self.fresh:

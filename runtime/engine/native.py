@@ -85,13 +85,14 @@ from meshrl.runtime.engine.sequence import Sequence
 
 
 class _Probe:
-    """Records each layer's id and k/v heads in one throw-away forward (the cache is shaped by it)."""
+    """Records each layer's id, k/v heads, k head dim and v head dim in one throw-away forward
+    (the cache is shaped by it)."""
 
     def __init__(self) -> None:
-        self.layers: list[tuple[int, int, int]] = []
+        self.layers: list[tuple[int, int, int, int]] = []
 
     def attend(self, layer_id, q, k, v):
-        self.layers.append((layer_id, k.shape[1], k.shape[3]))
+        self.layers.append((layer_id, k.shape[1], k.shape[3], v.shape[3]))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -175,9 +176,10 @@ class NativeEngine:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         # Positions 0..max_model_len-2 hold k/v: the last token of a full-length sequence is never fed.
         self.max_blocks = math.ceil((max_model_len - 1) / block_size)
-        layer_ids, num_kv_heads, head_dim = self._probe()
-        self.attention = _decode_attention(attention, head_dim, is_cuda)
-        self.kv = self._make_cache(layer_ids, num_kv_heads, head_dim, num_blocks, kv_cache_memory_fraction)
+        layer_ids, num_kv_heads, head_dim, v_head_dim = self._probe()
+        self.attention = _decode_attention(attention, head_dim, is_cuda, v_head_dim)
+        self.kv = self._make_cache(layer_ids, num_kv_heads, (head_dim, v_head_dim), num_blocks,
+                                   kv_cache_memory_fraction)
         self.blocks = BlockManager(self.kv.num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv, max_num_seqs=max_num_seqs, max_blocks=self.max_blocks,
                                   block_size=block_size, device=self.device, attention=self.attention,
@@ -191,22 +193,28 @@ class NativeEngine:
         self.num_prefill_tokens = 0
         """Prompt tokens computed so far (what prefix sharing saves shows here)."""
 
-    def _probe(self) -> tuple[list[int], int, int]:
-        """One throw-away forward -> the model's attention layer ids, k/v heads and head_dim."""
+    def _probe(self) -> tuple[list[int], int, int, int]:
+        """One throw-away forward -> the model's attention layer ids, k/v heads, k and v head dims
+        (ValueError if its layers differ: the cache has one shape for all of them)."""
         with torch.inference_mode():
             probe = _Probe()
             one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             self.model.hidden(one, one, probe)
-        layer_ids = [layer_id for layer_id, _, _ in probe.layers]
-        _, num_kv_heads, head_dim = probe.layers[0]
-        return layer_ids, num_kv_heads, head_dim
+        layer_ids = [layer_id for layer_id, *_ in probe.layers]
+        first = probe.layers[0][1:]
+        for layer_id, *shape in probe.layers:
+            if tuple(shape) != first:
+                raise ValueError(f"attention layer {layer_id} has (kv heads, k dim, v dim) {tuple(shape)}, layer "
+                                 f"{layer_ids[0]} {first}: the native engine's KV cache needs one shape for all layers")
+        return layer_ids, *first
 
-    def _make_cache(self, layer_ids: list[int], num_kv_heads: int, head_dim: int, num_blocks: int | None,
-                    kv_cache_memory_fraction: float) -> KVCache:
+    def _make_cache(self, layer_ids: list[int], num_kv_heads: int, head_dims: tuple[int, int],
+                    num_blocks: int | None, kv_cache_memory_fraction: float) -> KVCache:
         """The KV cache, `num_blocks` or sized as the class docstring says; ValueError if one
-        sequence of max_model_len cannot fit."""
+        sequence of max_model_len cannot fit. head_dims: (k head dim, v head dim)."""
         block_size = self.block_size
-        per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, self.dtype)
+        head_dim, v_head_dim = head_dims
+        per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, self.dtype, v_head_dim)
         if num_blocks is None:
             # More blocks than max_num_seqs full-length sequences only lengthen the prefix cache's
             # memory: never take more by default (an engine for a small eval stays small).
@@ -220,7 +228,7 @@ class NativeEngine:
                 f"({per_block / 2**20:.2f} MiB each) but one sequence of max_model_len {self.max_model_len} needs "
                 f"{self.max_blocks}: lower max_model_len, raise kv_cache_memory_fraction / num_blocks, "
                 "or use a device with more memory")
-        return KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device)
+        return KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device, v_head_dim)
 
     # ------------------------------------------------------------------ public API
 
@@ -354,17 +362,19 @@ def _check_sizes(max_num_seqs: int, max_model_len: int, block_size: int, kv_cach
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
 
 
-def _decode_attention(attention: str, head_dim: int, is_cuda: bool) -> Literal["torch", "triton"]:
+def _decode_attention(attention: str, head_dim: int, is_cuda: bool,
+                      v_head_dim: int | None = None) -> Literal["torch", "triton"]:
     """The decode attention backend an `attention` argument resolves to; ValueError if it cannot run."""
-    # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16.
-    kernel_fits = _is_pow2(head_dim) and head_dim >= 16
+    # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16;
+    # the kernel reads k and v with one head dim.
+    kernel_fits = _is_pow2(head_dim) and head_dim >= 16 and v_head_dim in (None, head_dim)
     if attention == "auto":
         attention = "triton" if is_cuda and triton_available() and kernel_fits else "torch"
     if attention not in ("torch", "triton"):
         raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {attention!r}")
     if attention == "triton" and not (is_cuda and kernel_fits):
-        raise ValueError(f"attention='triton' needs a CUDA device and a power-of-two head_dim >= 16 "
-                         f"(got {head_dim}); use 'torch'")
+        raise ValueError(f"attention='triton' needs a CUDA device and a power-of-two head_dim >= 16, the same "
+                         f"for k and v (got {head_dim} and {v_head_dim or head_dim}); use 'torch'")
     return attention
 
 

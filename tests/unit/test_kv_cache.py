@@ -160,6 +160,56 @@ def test_paged_attention_context_writes_slots_then_attends():
     assert torch.equal(k_cache[2, 2], k[0, :, 6])  # position 6 -> block table[1] = 2, offset 2
 
 
+@pytest.mark.parametrize("v_dim", [8, 5], ids=["same-dims", "narrow-v"])
+def test_k_and_v_of_their_own_dims_are_stored_and_attended(v_dim):
+    """MLA-like layers (k head dim 8, v head dim 5): both halves land in their own storage at the
+    right slots, decode equals causal attention, copy-on-write copies both."""
+    torch.manual_seed(3)
+    bs, D = 4, 8
+    cache = KVCache([0, 1], num_blocks=6, block_size=bs, num_kv_heads=2, head_dim=D, dtype=torch.float32,
+                    device="cpu", v_head_dim=v_dim)
+    assert (cache.data is None) == (v_dim != D)
+    assert KVCache.bytes_per_block(2, bs, 2, D, torch.float32, v_dim) == 2 * bs * 2 * (D + v_dim) * 4
+    table = [5, 2]
+    q, k, v = torch.randn(1, 4, 7, D), torch.randn(1, 2, 7, D), torch.randn(1, 2, 7, v_dim)
+    slots = torch.tensor([[table[p // bs] * bs + p % bs for p in range(7)]])
+    tables = torch.tensor([table], dtype=torch.int32)
+    positions = torch.arange(7)[None]
+    PagedAttention(cache, slots[:, :6], positions[:, :6], tables, fresh=True).attend(1, q[:, :, :6], k[:, :, :6],
+                                                                                      v[:, :, :6])
+    decode = PagedAttention(cache, slots[:, 6:], positions[:, 6:], tables, torch.tensor([7], dtype=torch.int32))
+    out = decode.attend(1, q[:, :, 6:], k[:, :, 6:], v[:, :, 6:])
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == (1, 4, 1, v_dim) and torch.allclose(out, ref[:, :, 6:], atol=1e-5)
+    k_cache, v_cache = cache.layer(1)
+    assert torch.equal(k_cache[2, 2], k[0, :, 6]) and torch.equal(v_cache[2, 2], v[0, :, 6])
+    assert torch.equal(v_cache[5, 1], v[0, :, 1]) and not cache.layer(0)[1].any()  # layer 0 untouched
+    cache.copy_blocks([5], [3])
+    assert torch.equal(cache.layer(1)[1][3], v_cache[5]) and torch.equal(cache.layer(1)[0][3], k_cache[5])
+
+
+def test_a_write_of_another_shape_raises_instead_of_corrupting_the_cache():
+    """The DeepSeek-V3 bug: a cache sized from k (24 dims) must not accept a v of 16 dims (nor
+    the other way round, nor other heads); nothing is written."""
+    cache = KVCache([0], num_blocks=4, block_size=2, num_kv_heads=2, head_dim=24, dtype=torch.float32, device="cpu")
+    k_cache, v_cache = cache.layer(0)
+    slots = torch.tensor([2, 3])
+    q, k = torch.randn(1, 4, 2, 24), torch.randn(1, 2, 2, 24)
+    attn = PagedAttention(cache, slots[None], torch.arange(2)[None], torch.tensor([[1]], dtype=torch.int32),
+                          fresh=True)
+    with pytest.raises(ValueError, match="2 heads x 24 dims"):
+        attn.attend(0, q, k, torch.randn(1, 2, 2, 16))
+    from meshrl.runtime.engine.kv_cache import write_slots
+
+    with pytest.raises(ValueError, match="2 heads x 24 dims"):
+        write_slots(v_cache, slots, torch.randn(1, 1, 2, 24))  # one head
+    with pytest.raises(ValueError, match="slots"):
+        write_slots(v_cache, slots, torch.randn(1, 2, 3, 24))
+    assert not v_cache.any() and not k_cache.any()
+    with pytest.raises(ValueError, match="layer 3 has no KV cache"):
+        cache.layer(3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -178,3 +228,36 @@ def test_triton_decode_kernel_equals_reference(dtype, num_q_heads, num_kv_heads,
     out = paged_decode_attention(q, k, v, tables, context_lens, splits=splits)
     ref = paged_attention_reference(q.float(), k.float(), v.float(), tables.long(), (context_lens - 1).long()[:, None])
     assert (out.float() - ref).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_engine_serves_a_model_whose_values_are_narrower_than_its_keys():
+    """DeepSeek-V3 (MLA: q/k head dim 16 + 8, v head dim 16) through the generic path: the engine
+    sizes k and v separately and its greedy output equals transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from meshrl.models.generic_hf import GenericArgs, HFCausalLM
+    from meshrl.runtime.engine.api import Request, SamplingParams, generate
+    from meshrl.runtime.engine.native import NativeEngine
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.mul_(8)  # not a degenerate echo
+    ours = HFCausalLM(GenericArgs.from_hf_config(cfg.to_dict()))
+    ours.load_state_dict({"hf." + k: v for k, v in hf.state_dict().items()})
+    engine = NativeEngine(ours, max_num_seqs=2, max_model_len=64, device="cpu", dtype=torch.float32, block_size=4)
+    assert engine.kv.data is None and (engine.kv.head_dim, engine.kv.v_head_dim) == (24, 16)
+    prompts = [[3, 5, 7, 11, 13, 2, 9], [4, 4, 8]]
+    completions = generate(engine, [Request(i, p, SamplingParams(temperature=0.0, max_tokens=10))
+                                    for i, p in enumerate(prompts)])
+    for prompt, completion in zip(prompts, completions):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+        assert completion.token_ids == out[0, len(prompt):].tolist()
