@@ -330,7 +330,13 @@ class DistConfig(Base):
     message_timeout_s: float = Field(3600.0, gt=0)
     """A rank that hears nothing on a control channel for this long fails the job. Channels are
     legitimately idle while the other side works (a long step), so this is longer than timeout_s;
-    a peer that dies closes its connections and is detected at once, not after this timeout."""
+    a peer that dies closes its connections and is detected at once, not after this timeout, and a
+    frozen one by heartbeat_timeout_s."""
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+    """Every rank's process publishes a heartbeat (a background thread, on torchrun's store) a few
+    times per this period; a rank silent this long (frozen, stopped, swapped out) ends the job, or
+    restarts it under max_restarts, with a message naming the rank, its role and its last activity
+    (docs/checkpoints.md). It watches processes, not progress: a long step is not silence."""
     max_restarts: int = Field(0, ge=0)
     """Restart the whole job up to this many times after a rank fails (`torchrun --max-restarts`, set
     by `meshrl rl|sft`); every restart resumes from the latest complete checkpoint (docs/checkpoints.md)."""
@@ -363,6 +369,10 @@ class CheckpointConfig(Base):
     export_every: int = Field(0, ge=0)
     """Also export the policy as an HF folder checkpoints/hf_step_N every this many steps (0 = only
     checkpoints/final at the end)."""
+    on_error: Literal["warn", "fail"] = "warn"
+    """A save that fails (a full disk, a lost mount): "warn" logs it, counts it (checkpoint/failed_saves)
+    and trains on, the next save trying again; "fail" stops the run. Either way the previous
+    checkpoint stays complete and usable."""
 
 
 class ResumeConfig(Base):
