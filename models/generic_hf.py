@@ -37,6 +37,7 @@ Requires transformers >= 5. Nothing here is registered at import time: `models/h
 from __future__ import annotations
 
 import json
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from meshrl.models import MODEL_FAMILIES, ModelFamily
 from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
 
 Impl = Literal["auto", "native", "hf"]
+log = logging.getLogger("meshrl")
 ATTN_IMPLEMENTATION = "meshrl"
 # The forward keyword that carries our AttentionContext down to `_meshrl_attention`.
 _ATTN_KWARG = "meshrl_attn"
@@ -70,11 +72,15 @@ _SOFTCAP_ATTRS = ("attn_logit_softcapping", "final_logit_softcapping", "logit_so
 _NO_DROPOUT = "dropout is not supported (the trainer and the engine must compute the same logprobs): set it to 0"
 
 
-def resolve_impl(model_type: str | None, impl: Impl = "auto") -> Literal["native", "hf"]:
+def resolve_impl(model_type: str | None, impl: Impl = "auto",
+                 config: dict[str, Any] | None = None) -> Literal["native", "hf"]:
     """Which implementation serves `model_type`: ours ("native") or the generic wrapper ("hf").
 
-    auto: native when the type is in MODEL_FAMILIES, else hf. native: an unregistered type is an
-    error. hf: always the generic wrapper.
+    auto: native when the type is in MODEL_FAMILIES and (given the HF `config` dict) the native
+    family accepts that config, else hf: a valid config that our file does not implement (e.g.
+    Qwen3 with attention_bias=true) falls back to transformers' modeling code. native: an
+    unregistered type is an error (and with `config`, so is one the family refuses: its
+    ValueError). hf: always the generic wrapper.
     """
     if impl not in ("auto", "native", "hf"):
         raise ValueError(f"model impl must be 'auto', 'native' or 'hf', got {impl!r}")
@@ -83,6 +89,14 @@ def resolve_impl(model_type: str | None, impl: Impl = "auto") -> Literal["native
     if impl == "hf":
         return "hf"
     if model_type in MODEL_FAMILIES:
+        if config is not None:
+            refusal = native_refusal(config)
+            if refusal is not None and impl == "auto":
+                log.info("model_type %r: the native implementation refuses this config (%s); using the generic "
+                         "transformers path", model_type, refusal)
+                return "hf"
+            if refusal is not None:
+                raise ValueError(f"impl='native': {refusal} (impl='auto' would use the generic transformers path)")
         return "native"
     if impl == "native":
         raise ValueError(f"impl='native' but meshrl has no native implementation of model_type {model_type!r} "
@@ -90,11 +104,42 @@ def resolve_impl(model_type: str | None, impl: Impl = "auto") -> Literal["native
     return "hf"
 
 
-def family_for(model_type: str | None, impl: Impl = "auto") -> ModelFamily:
-    """The family that builds `model_type` under `impl`: a native one or `GENERIC_FAMILY`."""
-    if resolve_impl(model_type, impl) == "native":
+def native_refusal(config: dict[str, Any]) -> str | None:
+    """Why the native family of `config`'s model_type cannot build it (its from_hf_config's
+    ValueError message), or None when it can. Only reads the config."""
+    family = MODEL_FAMILIES[config["model_type"]]
+    try:
+        family.args_cls.from_hf_config(config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def family_for(model_type: str | None, impl: Impl = "auto", config: dict[str, Any] | None = None) -> ModelFamily:
+    """The family that builds `model_type` under `impl` (see `resolve_impl`): a native one or `GENERIC_FAMILY`."""
+    if resolve_impl(model_type, impl, config) == "native":
         return MODEL_FAMILIES[model_type]
     return GENERIC_FAMILY
+
+
+def native_ep_families() -> list[str]:
+    """The model types with a native implementation that has expert parallelism (a plan with "ep")."""
+    return sorted(name for name, family in MODEL_FAMILIES.items() if "ep" in family.parallel_plan)
+
+
+def check_expert_parallel(model_type: str, impl: Literal["native", "hf"], ep: int) -> None:
+    """ValueError, before anything starts, for expert parallelism the implementation cannot do:
+    the generic path has no expert parallelism, and a native dense family has no experts."""
+    if ep <= 1:
+        return
+    families = ", ".join(native_ep_families())
+    if impl == "hf":
+        raise ValueError(f"trainer.parallel.ep = {ep}: model_type {model_type!r} runs on the generic transformers "
+                         f"path, which has no expert parallelism; native families with expert parallelism: "
+                         f"{families}")
+    if "ep" not in MODEL_FAMILIES[model_type].parallel_plan:
+        raise ValueError(f"trainer.parallel.ep = {ep}: model_type {model_type!r} has no experts (expert "
+                         f"parallelism needs a MoE family: {families})")
 
 
 def _transformers():
@@ -168,24 +213,26 @@ def check_hf_config(hf_config) -> None:
         raise ValueError(f"{model_type}: encoder-decoder models are not supported (decoder-only causal LMs only)")
     if getattr(hf_config, "is_causal", True) is False:
         raise ValueError(f"{model_type}: the config sets is_causal=False; only causal attention is supported")
-    layer_types = getattr(hf_config, "layer_types", None) or []
+    # Multimodal and hybrid configs (Qwen3.5) keep the decoder's settings in text_config.
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layer_types = getattr(text, "layer_types", None) or []
     other = sorted(set(layer_types) - {"full_attention"})
     if other:
         raise ValueError(f"{model_type}: layer types {other} are not supported (only full causal attention; "
                          "sliding-window, chunked and linear-attention layers need their own attention context)")
-    if not layer_types and getattr(hf_config, "sliding_window", None) is not None:
-        raise ValueError(f"{model_type}: sliding_window={hf_config.sliding_window} is not supported "
+    if not layer_types and getattr(text, "sliding_window", None) is not None:
+        raise ValueError(f"{model_type}: sliding_window={text.sliding_window} is not supported "
                          "(set it to null if the model was trained without one)")
     for attr in _SOFTCAP_ATTRS:
-        if getattr(hf_config, attr, None) not in (None, 0, 0.0):
-            raise ValueError(f"{model_type}: {attr}={getattr(hf_config, attr)} (logit soft-capping) is not supported")
+        if getattr(text, attr, None) not in (None, 0, 0.0):
+            raise ValueError(f"{model_type}: {attr}={getattr(text, attr)} (logit soft-capping) is not supported")
     for attr in _SCALE_ATTRS:
-        value = getattr(hf_config, attr, None)
+        value = getattr(text, attr, None)
         known = _LOGIT_SCALES.get(model_type, (None,))[0] == attr
         if value not in (None, 1, 1.0) and not known:
             raise ValueError(f"{model_type}: {attr}={value} scales the logits in a way meshrl does not know")
-    if (getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
-        raise ValueError(f"{model_type}: attention_dropout={hf_config.attention_dropout}; {_NO_DROPOUT}")
+    if (getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ValueError(f"{model_type}: attention_dropout={text.attention_dropout}; {_NO_DROPOUT}")
 
 
 def check_generic_config(config: dict[str, Any]) -> None:

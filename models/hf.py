@@ -100,7 +100,7 @@ def build_hf_skeleton(path: str | os.PathLike, impl: Impl = "auto", dtype: torch
     fill it with `load_hf_weights`: no rank ever holds more than one full tensor at a time.
     """
     config = read_hf_config(path)
-    family = family_for(config.get("model_type"), impl)
+    family = family_for(config.get("model_type"), impl, config)
     args = family.args_cls.from_hf_config(config)
     with torch.device("meta"):
         model = family.model_cls(args)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from meshrl.models import get_family
-from meshrl.models.generic_hf import check_generic_config, resolve_impl
+from meshrl.models.generic_hf import check_expert_parallel, check_generic_config, resolve_impl
 from meshrl.models.hf import build_hf_skeleton, load_hf_model, load_hf_weights, read_hf_config
 from meshrl.runtime.config import ModelConfig
 from meshrl.runtime.tokenizer import build_char_tokenizer, load_tokenizer
@@ -23,9 +23,11 @@ def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
-def check_model_source(cfg: ModelConfig) -> None:
-    """Fail early (before any process group) when the model folder is missing or incomplete, or
-    its model_type cannot be served by the chosen implementation (`cfg.impl`)."""
+def check_model_source(cfg: ModelConfig, ep: int = 1) -> None:
+    """Fail early (before any process group) when the model folder is missing or incomplete, its
+    model_type cannot be served by the chosen implementation (`cfg.impl`; a config the native
+    family refuses is an error for "native" and falls back to the generic path for "auto"), or
+    expert parallelism `ep` (trainer.parallel.ep) asks for experts the implementation lacks."""
     if cfg.path is not None:
         folder = Path(cfg.path)
         if not folder.is_dir():
@@ -35,12 +37,15 @@ def check_model_source(cfg: ModelConfig) -> None:
         if not any(folder.glob("*.safetensors")):
             raise ValueError(f"model.path: {cfg.path} has no *.safetensors weights")
         config = read_hf_config(folder)
-        if resolve_impl(config.get("model_type"), cfg.impl) == "hf":
+        impl = resolve_impl(config.get("model_type"), cfg.impl, config)
+        if impl == "hf":
             check_generic_config(config)
+        check_expert_parallel(config["model_type"], impl, ep)
     else:
         family = get_family(cfg.family)
         if cfg.flavor not in family.flavors:
             raise ValueError(f"model.flavor: unknown flavor {cfg.flavor!r} of {cfg.family} (known: {sorted(family.flavors)})")
+        check_expert_parallel(cfg.family, "native", ep)
 
 
 def load_tokenizer_for(cfg: ModelConfig):
