@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import llama3, qwen3, qwen3_moe
+from meshrl.models import glm4_moe, llama3, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=qwen3_moe.FLAVORS,
         state_dict_adapter=qwen3_moe.Qwen3MoeStateDictAdapter,
         parallel_plan=qwen3_moe.PARALLEL_PLAN,
+    ),
+    "glm4_moe": ModelFamily(
+        name="glm4_moe",
+        args_cls=glm4_moe.Glm4MoeArgs,
+        model_cls=glm4_moe.Glm4Moe,
+        flavors=glm4_moe.FLAVORS,
+        state_dict_adapter=glm4_moe.Glm4MoeStateDictAdapter,
+        parallel_plan=glm4_moe.PARALLEL_PLAN,
     ),
 }
 

@@ -1,10 +1,22 @@
 """Mixture-of-experts feed-forward with top-k routing, shared by the MoE families.
 
-    router:   logits = x @ router.T               (N, E) in the activation dtype
-              probs  = softmax(logits.float())    fp32, over all E experts
-              top_w, top_i = topk(probs, k)       optionally renormalised to sum 1 (norm_topk_prob)
+    router:   logits = x @ router.T               (N, E) in the activation dtype (fp32 with routing.fp32)
+              probs  = softmax(logits.float())    fp32, over all E experts        (score "softmax")
+                       sigmoid(logits.float())    each expert on its own          (score "sigmoid")
+              top_i  = topk(probs + bias, k)      the bias (expert_bias, DeepSeek's score-correction
+                                                  bias) steers the choice only; with num_groups > 1
+                                                  only the topk_groups best groups (a group scores
+                                                  the sum of its two best experts) are eligible
+              top_w  = probs[top_i]               optionally renormalised to sum 1 (norm_topk_prob,
+                                                  + routing.norm_eps), times routing.scale
     experts:  y_t = sum_j top_w[t, j] * SwiGLU_{top_i[t, j]}(x_t)
-    shared:   + sigmoid(x @ g) * SwiGLU_shared(x) (Qwen2-MoE; off for Qwen3-MoE)
+    shared:   + sigmoid(x @ g) * SwiGLU_shared(x) (Qwen2-MoE; off for Qwen3-MoE), or without the
+              gate (shared_gate=False: DeepSeek-V3, GLM-4.5's shared experts)
+
+`Routing` holds the choices: Qwen3-MoE is softmax + norm_topk_prob; MiniMax-M2 is sigmoid + bias
++ norm; DeepSeek-V3 and GLM-4.5 are sigmoid + bias + groups + norm (eps 1e-20) + scale, in fp32.
+The bias is a frozen parameter (requires_grad=False; in checkpoints, weight sync and exports
+like any weight, never updated by the optimizer: RL keeps a released model's balancing bias).
 
 The experts' weights are stored grouped, one tensor per projection with the expert on dim 0
 (`w1`/`w3`: (E, hidden, dim), `w2`: (E, dim, hidden), i.e. HF's per-expert
@@ -21,8 +33,9 @@ router's gradient never crosses ranks.
 
 Load-balancing statistics: each forward leaves on its MoE module a differentiable Switch-style
 auxiliary loss `E * sum_e f_e * P_e` (f_e = share of top-k assignments to expert e, summing to
-k over experts; P_e = mean router probability of e), which is what transformers'
-`load_balancing_loss_func` returns for a single layer, plus detached per-expert assignment
+k over experts; P_e = mean router probability of e; a sigmoid router's scores are normalised to
+sum 1 per token first), which is what transformers' `load_balancing_loss_func` returns for a
+single softmax layer, plus detached per-expert assignment
 counts. `moe_aux_loss(model)` sums the aux losses of the last forward (transformers instead
 pools the counts and probabilities of all layers before multiplying; the two agree for one
 MoE layer). `record_moe_stats(model)` (after every forward) accumulates the counts and
@@ -34,6 +47,8 @@ them over ranks); a block recomputed under activation checkpointing records noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -103,25 +118,57 @@ def local_dispatch(experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor
     return experts(x, counts)
 
 
-class MoE(nn.Module):
-    """Top-k routed SwiGLU experts, with an optional sigmoid-gated shared expert.
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer scores, picks and weights its experts (see the module docstring)."""
 
-    Parameters: `router.weight` (E, dim), `experts.w1/w2/w3`, and with a shared expert
-    `shared_expert.w1/w2/w3.weight` and `shared_expert_gate.weight` (1, dim).
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False
+    bias: bool = False  # a score-correction bias per expert, added for the choice only
+    num_groups: int = 1  # grouped top-k (DeepSeek-V3's n_group) ...
+    topk_groups: int = 1  # ... of which this many groups are eligible (topk_group)
+    scale: float = 1.0  # routed_scaling_factor, applied to the final weights
+    norm_eps: float = 0.0  # added to the renormalising sum (DeepSeek-V3, GLM-4.5: 1e-20)
+    fp32: bool = False  # router matmul in fp32 (x.float() @ router.float().T)
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"routing score must be 'softmax' or 'sigmoid', got {self.score!r}")
+        if self.num_groups < 1 or num_experts % self.num_groups != 0:
+            raise ValueError(f"{num_experts} experts do not split into {self.num_groups} groups (n_group)")
+        if self.num_groups > 1 and num_experts // self.num_groups < 2:
+            raise ValueError("grouped routing scores a group by its two best experts: each group needs >= 2")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
+        if top_k > self.topk_groups * (num_experts // self.num_groups):
+            raise ValueError(f"top_k {top_k} exceeds the experts of the {self.topk_groups} eligible groups")
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, with an optional shared expert (sigmoid-gated or not).
+
+    Parameters: `router.weight` (E, dim), `experts.w1/w2/w3`, with `routing.bias` the frozen
+    `expert_bias` (E,), and with a shared expert `shared_expert.w1/w2/w3.weight` (and, gated,
+    `shared_expert_gate.weight` (1, dim)). `routing` defaults to softmax scores with
+    `norm_topk_prob`; given, it decides (its own norm_topk_prob included).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 shared_hidden_dim: int = 0) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = False,
+                 shared_hidden_dim: int = 0, *, routing: Routing | None = None, shared_gate: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.routing = routing if routing is not None else Routing(norm_topk_prob=norm_topk_prob)
+        self.routing.check(num_experts, top_k)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
+        self.norm_topk_prob = self.routing.norm_topk_prob
         self.router = nn.Linear(dim, num_experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if self.routing.bias else None
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
-        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_hidden_dim else None
+        gated = shared_hidden_dim and shared_gate
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if gated else None
         self.dispatcher: Dispatcher = local_dispatch
         # Load-balancing state: plain attributes, not buffers (never in the state dict).
         self.aux_loss: Tensor | None = None  # the last forward's aux loss, differentiable
@@ -131,20 +178,46 @@ class MoE(nn.Module):
         self._pending: tuple[Tensor, Tensor] | None = None  # the last forward's (counts, aux loss)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (N, dim) -> top_w (N, k) in x's dtype, top_i (N, k) int64, probs (N, E) fp32."""
-        logits = self.router(x)  # (N, E)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        """x (N, dim) -> top_w (N, k) in x's dtype, top_i (N, k) int64, probs (N, E) fp32 (the
+        load-balancing probabilities: softmax, or a sigmoid router's scores normalised per token)."""
+        r = self.routing
+        if r.fp32:
+            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+        else:
+            logits = self.router(x)
+        if r.score == "softmax":
+            scores = probs = torch.softmax(logits.float(), dim=-1)
+        else:
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        top_i = torch.topk(self._eligible(choice), self.top_k, dim=-1).indices
+        top_w = scores.gather(1, top_i)
+        if r.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + r.norm_eps)
+        if r.scale != 1.0:
+            top_w = top_w * r.scale
         return top_w.to(x.dtype), top_i, probs
+
+    def _eligible(self, choice: Tensor) -> Tensor:
+        """Grouped top-k: -inf outside the topk_groups groups whose two best scores sum highest."""
+        r = self.routing
+        if r.num_groups == 1:
+            return choice
+        N = choice.shape[0]
+        grouped = choice.view(N, r.num_groups, -1)  # (N, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+        best = group_scores.topk(r.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(N, -1)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: (B, T, dim) -> (B, T, dim)
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
         top_w, top_i, probs = self.route(x)
-        counts = torch.bincount(top_i.flatten(), minlength=self.num_experts)  # (E,) int64
+        # (E,) int64; a scatter, not bincount, whose output shape depends on the data (a graph break)
+        counts = top_i.new_zeros(self.num_experts).scatter_add_(0, top_i.flatten(), torch.ones_like(top_i.flatten()))
         self._record(probs, counts)
 
         # Sort the N*k (token, slot) pairs by expert; stable, so tokens keep their order per expert.
@@ -154,7 +227,10 @@ class MoE(nn.Module):
         y = y * top_w.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, token, y)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out.view(shape)
 
     def _record(self, probs: Tensor, counts: Tensor) -> None:
@@ -188,10 +264,13 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared_expert.w1.weight, mean=0.0, std=std, generator=generator)
             nn.init.normal_(self.shared_expert.w2.weight, mean=0.0, std=out_std, generator=generator)
             nn.init.normal_(self.shared_expert.w3.weight, mean=0.0, std=std, generator=generator)
+        if self.shared_expert_gate is not None:
             nn.init.normal_(self.shared_expert_gate.weight, mean=0.0, std=std, generator=generator)
+        if self.expert_bias is not None:
+            nn.init.zeros_(self.expert_bias)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, routing={self.routing}"
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -81,13 +81,36 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) with cos, sin (B, T, D)."""
+    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D) with cos, sin (B, T, R).
+
+    R < D is partial rotary (GLM-4.5, MiniMax-M2: HF's partial_rotary_factor): the first R dims
+    of every head are rotated, the other D - R pass through, as transformers does.
+    """
+    rotary = cos.shape[-1]
+    if rotary < q.shape[-1]:
+        q_rot, k_rot = apply_rope(q[..., :rotary], k[..., :rotary], cos, sin)
+        return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
     half = q.shape[-1] // 2
     if use_fused(q) and half & (half - 1) == 0 and cos.dtype == q.dtype:
         return fused.rope(q, cos, sin), fused.rope(k, cos, sin)  # inference only, same numerics
     cos = cos.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
     sin = sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def apply_rope_interleaved(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """DeepSeek's layout (HF rope_interleave=True): dims (x0, x1), (x2, x3), ... are the rotated
+    pairs. q (B, Hq, T, D), k (B, Hkv, T, D), cos/sin (B, T, D) of the usual cat(freqs, freqs)
+    form. The result comes out de-interleaved, [x_even', x_odd'], exactly as transformers
+    returns it (q and k alike, so their dot products are those of the interleaved rotation)."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)  # (B, 1, T, D/2)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+
+    def rotate(x: Tensor) -> Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 class RotaryEmbedding(nn.Module):

@@ -13,6 +13,9 @@ so a new family writes tables, not conversion code:
     fused_experts  HF grouped layouts read (never written): transformers 5 keeps experts fused in
                  memory, mlp.experts.gate_up_proj (E, 2I, D) = [gate; up] along dim 1 ->
                  (moe.experts.w1, moe.experts.w3), and mlp.experts.down_proj -> moe.experts.w2
+    hf_aliases   other HF spellings of block keys, read (never written) as the canonical one:
+                 MiniMax-M2's hub folders say block_sparse_moe.gate.weight, transformers 5's
+                 in-memory model (and a folder saved without the original format) mlp.gate.weight
 
 Values pass through untouched except for experts (so the adapter works on DTensors and on
 gradients as well as on weights): `to_hf` writes E per-expert copies of a grouped tensor (copies,
@@ -20,6 +23,10 @@ not views: safetensors refuses tensors that share memory) and needs all E expert
 expert-parallel shards first; `from_hf` stacks per-expert tensors, and is stateful: the experts of
 one grouped tensor may arrive over several calls (models/hf.py loads one key per call), and the
 call that completes it returns it (`pending()` lists incomplete ones).
+
+Multi-token-prediction layers: checkpoints of GLM-4.5 and DeepSeek-V3 store their MTP module(s)
+as layers n_layers .. n_layers + args.num_mtp_layers - 1 (transformers does not build them
+either); `from_hf` drops those keys. Any other layer index >= n_layers is still an error.
 
 Tied embeddings: the top key `tied_head` ("output.weight") does not exist, `to_hf` writes no
 lm_head and refuses an output.weight, `from_hf` drops a stored lm_head (some checkpoints carry
@@ -69,6 +76,7 @@ class KeyMap:
     layer_kind: Callable[[Any, int], str] | None = None
     experts: Mapping[str, str] = field(default_factory=dict)
     fused_experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    hf_aliases: Mapping[str, str] = field(default_factory=dict)
     expert_kind: str | None = None
     tied_head: str = "output.weight"
     layers_prefix: str = "layers"
@@ -152,7 +160,9 @@ class StateDictAdapter:
             if key == self._hf_tied_head and self.args.tie_embeddings:
                 continue  # the tied head is tok_embeddings.weight itself
             m = self._hf_block.fullmatch(key)
-            name = m.group(2) if m else None
+            name = km.hf_aliases.get(m.group(2), m.group(2)) if m else None
+            if m and self._is_mtp_layer(int(m.group(1))):
+                continue  # a multi-token-prediction module: not part of the causal LM
             if key in self._from_hf_top:
                 out[self._from_hf_top[key]] = value
             elif name in self._from_hf_block:
@@ -171,6 +181,10 @@ class StateDictAdapter:
             else:
                 raise ValueError(f"unknown HF {km.hf_label} state-dict key {key!r}")
         return out
+
+    def _is_mtp_layer(self, layer: int) -> bool:
+        n = self.args.n_layers
+        return n <= layer < n + getattr(self.args, "num_mtp_layers", 0)
 
     def _match_expert(self, name: str) -> tuple[str, int] | None:
         """(our grouped key, expert index) of a block-relative per-expert HF name, or None."""
