@@ -3,7 +3,7 @@
     RUN_DIR/checkpoints/
       step_N/               a complete checkpoint after N optimizer steps (never written in place)
         COMPLETE            the manifest (JSON), written last: kind, step, config hash, model config,
-                            parameter shapes, trainer layout, every file with its size
+                            parameter shapes, trainer layout, every file with its size and checksum
         trainer/            torch.distributed.checkpoint shards of the model and AdamW state
                             (.metadata + one __R_0.distcp file per trainer rank; no full gather)
         trainer.json        trainer counters: version (= N), non-finite steps skipped
@@ -15,14 +15,22 @@
 
 Atomicity: everything is written into step_N.tmp/, then the trainer leader, once every rank's
 shards are on disk (DCP's save returns on the coordinator only after all ranks wrote theirs),
-writes COMPLETE (fsynced) and renames the folder to step_N. A folder without a valid COMPLETE,
-or whose files differ from the manifest, is skipped with a warning, and the previous one is used.
-Old checkpoints are deleted only after a newer one is complete, so a failed save (a full disk)
-never costs the previous checkpoint.
+writes trainer.json, hashes every file and writes COMPLETE last (fsynced), then renames the folder
+to step_N. Old checkpoints are deleted only after a newer one is complete, so a failed save (a full
+disk) never costs the previous checkpoint; every write of a save is inside its error handling
+(`checkpoint.on_error`: warn and go on, or fail).
 
-Safety: trainer shards are tensors only (no pickled objects); DCP reads them with
-`torch.load(weights_only=True)`, and its `.metadata` file (a pickle) is read by an unpickler that
-accepts only DCP's metadata classes, torch sizes and dtypes. Everything else is JSON.
+Integrity: COMPLETE lists every file with its size and a checksum (sha256 over the sha256 digests
+of its 64 MiB blocks, so one large file is hashed by many threads). A run verifies the checkpoint
+it resumes from (rank 0, before any rank loads it); one that fails, or whose manifest is
+malformed, is skipped with one warning line naming the file, and the previous one is used (also
+on an elastic restart).
+
+Safety: loading never runs code. Trainer shards are tensors only; DCP reads them with
+`torch.load(weights_only=True)`. Its `.metadata` file (a pickle) is read by an unpickler that
+accepts only DCP's metadata classes, torch sizes and dtypes; an entry declared as bytes (which DCP
+would read with `torch.load(weights_only=False)`) is refused, and so is any entry that names no
+parameter or optimizer state of the model. Everything else is JSON.
 
 Resharding: the trainer state is sharded DTensors (FSDP2 / HSDP), so DCP loads it into any other
 number of trainer ranks or parallel layout. Expert-parallel experts are plain local tensors of
@@ -36,6 +44,7 @@ for dispatching step N next (see docs/checkpoints.md for what is and is not repr
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -55,10 +64,13 @@ from torch import nn
 
 from meshrl.models.hf import save_hf_model
 from meshrl.parallel import full_tensors
-from meshrl.runtime.rundir import log, restart_count
+from meshrl.runtime.rundir import check_run_dir_free, log, restart_count
 from meshrl.runtime.tokenizer import save_tokenizer
 
-FORMAT = 1
+FORMAT = 2  # 2: every file has a checksum (format 1 had sizes only and is refused: it cannot be verified)
+HASH = "sha256-of-64MiB-blocks"
+"""The manifest's checksum: sha256 over the concatenated sha256 digests of a file's 64 MiB blocks."""
+HASH_BLOCK = 64 * 2**20
 MARKER = "COMPLETE"
 TRAINER_DIR = "trainer"
 TRAINER_FILE = "trainer.json"
@@ -124,8 +136,62 @@ def write_json(path: Path, value: Any) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint folder; ValueError saying why it is not valid."""
+def _block_digest(path: Path, offset: int) -> bytes:
+    """sha256 of the HASH_BLOCK bytes of `path` from `offset` (hashlib drops the GIL: threads scale)."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(8 * 2**20))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        left = HASH_BLOCK
+        while left and (n := f.readinto(buf[:min(len(buf), left)])):
+            h.update(buf[:n])
+            left -= n
+    return h.digest()
+
+
+def checksums(folder: Path, names: list[str], threads: int | None = None) -> dict[str, str]:
+    """The HASH checksum of every file `names` (relative to `folder`), its blocks hashed in parallel."""
+    jobs = [(name, offset) for name in names
+            for offset in range(0, max((folder / name).stat().st_size, 1), HASH_BLOCK)]
+    threads = threads or min(16, os.cpu_count() or 1, max(len(jobs), 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="checksum") as pool:
+        digests = list(pool.map(lambda job: _block_digest(folder / job[0], job[1]), jobs))
+    files: dict[str, Any] = {}
+    for (name, _), digest in zip(jobs, digests):
+        files.setdefault(name, hashlib.sha256()).update(digest)
+    return {name: h.hexdigest() for name, h in files.items()}
+
+
+def _check_structure(manifest: Any, path: Path) -> None:
+    """ValueError naming what is wrong with a manifest's shape (a hand-edited or foreign COMPLETE)."""
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{MARKER} is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{MARKER} is format {manifest.get('format')!r}, not {FORMAT} (a checkpoint of format 1 "
+                         "has no checksums and cannot be verified)")
+    if f"step_{manifest.get('step')}" != path.name:
+        raise ValueError(f"{MARKER} names step {manifest.get('step')!r}, the folder is {path.name}")
+    files = manifest.get("files")
+    if manifest.get("hash") != HASH or not isinstance(files, dict) or not files:
+        raise ValueError(f"{MARKER} is malformed: no 'files' with {HASH} checksums")
+    for rel, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)):
+            raise ValueError(f"{MARKER} is malformed: the entry of {rel!r} has no size and sha256")
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ValueError(f"{MARKER} is malformed: {rel!r} is outside the checkpoint folder")
+    for key, kind in (("kind", str), ("model", dict), ("shapes", dict), ("layout", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise ValueError(f"{MARKER} is malformed: no {key!r} ({kind.__name__})")
+    for name in (TRAINER_FILE, f"{TRAINER_DIR}/.metadata"):
+        if name not in files:
+            raise ValueError(f"{MARKER} is malformed: it does not list {name}")
+
+
+def read_manifest(path: Path, verify: bool = False) -> dict[str, Any]:
+    """The manifest of a complete checkpoint folder; ValueError saying why it is not valid.
+
+    Always checked: the manifest's structure and every listed file's presence and size. With
+    `verify`, every file's checksum too (reads the whole checkpoint; see docs/benchmarks.md)."""
     marker = path / MARKER
     if not marker.is_file():
         raise ValueError(f"no {MARKER} marker (the save did not finish)")
@@ -133,36 +199,43 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(marker.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"unreadable {MARKER} marker ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{MARKER} is not a format-{FORMAT} manifest")
-    if f"step_{manifest.get('step')}" != path.name:
-        raise ValueError(f"{MARKER} names step {manifest.get('step')}, the folder is {path.name}")
-    for rel, size in manifest["files"].items():
+    _check_structure(manifest, path)
+    files = manifest["files"]
+    for rel, entry in files.items():
         f = path / rel
         if not f.is_file():
             raise ValueError(f"file {rel} is missing")
-        if f.stat().st_size != size:
-            raise ValueError(f"file {rel} has {f.stat().st_size} bytes, the manifest says {size}")
+        if f.stat().st_size != entry["size"]:
+            raise ValueError(f"file {rel} has {f.stat().st_size} bytes, the manifest says {entry['size']}")
+    if verify:
+        sums = checksums(path, sorted(files))
+        bad = [rel for rel in sorted(files) if sums[rel] != files[rel]["sha256"]]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise ValueError(f"file {bad[0]} does not match its checksum{more}: changed after the save")
     return manifest
 
 
-def find_checkpoint(root: Path, step: int | None = None) -> tuple[int, Path, dict[str, Any]] | None:
+def find_checkpoint(root: Path, step: int | None = None, verify: bool = True,
+                    warn: bool = True) -> tuple[int, Path, dict[str, Any]] | None:
     """The checkpoint to resume from: `step_{step}` (ValueError if it is not valid), or the newest
-    valid one, skipping (with a warning) any that is partial or corrupt. None if there is none."""
+    valid one, skipping (with a warning, unless `warn` is off) any that is partial, corrupt or
+    malformed. None if there is none. `verify`: check every file's checksum (`read_manifest`)."""
     if step is not None:
         path = step_path(root, step)
         if not path.is_dir():
             raise ValueError(f"--resume.step {step}: {path} does not exist (checkpoints: {list_steps(root) or 'none'})")
         try:
-            return step, path, read_manifest(path)
+            return step, path, read_manifest(path, verify)
         except ValueError as e:
             raise ValueError(f"--resume.step {step}: {path} is not a complete checkpoint: {e}") from None
     for s in reversed(list_steps(root)):
         path = step_path(root, s)
         try:
-            return s, path, read_manifest(path)
+            return s, path, read_manifest(path, verify)
         except ValueError as e:
-            log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
+            if warn:
+                log.warning("skipping checkpoint %s: %s; falling back to an older one", path, e)
     return None
 
 
@@ -200,24 +273,26 @@ def check_compatible(manifest: dict[str, Any], kind: str, model: dict[str, Any],
 
 
 def resume_step(resume: Any, run_dir: Path, max_steps: int, kind: str, model: dict[str, Any],
-                env: dict[str, Any] | None, restart_count: int = 0) -> int | None:
+                env: dict[str, Any] | None, restart_count: int = 0, verify: bool = True,
+                warn: bool = True) -> int | None:
     """The step to resume from, or None to start fresh. ValueError (one clear line) on a misuse.
 
     `resume` is the config's value: False, True (latest), "auto" (latest if any) or a
     ResumeConfig (`step`, None = latest). A torchrun restart (`restart_count > 0`) means "auto",
     whatever the config says: the run continues from where the failed attempt got to.
+    `verify`/`warn`: see `find_checkpoint`.
     """
     root = checkpoints_dir(run_dir)
     if restart_count > 0:
         resume = "auto"
     if resume is False:
-        found = find_checkpoint(root)
+        found = find_checkpoint(root, verify=False, warn=False)
         if found is not None:
             raise ValueError(f"{root} holds checkpoints of an earlier run (latest step_{found[0]}): pass --resume to "
                              f"continue it, or choose another output_dir")
         return None
     step = getattr(resume, "step", None)
-    found = find_checkpoint(root, step)
+    found = find_checkpoint(root, step, verify, warn)
     if found is None:
         if resume == "auto":
             return None
@@ -230,12 +305,15 @@ def resume_step(resume: Any, run_dir: Path, max_steps: int, kind: str, model: di
     return step
 
 
-def check_resume(cfg, kind: str) -> int | None:
-    """`resume_step` for a run config (RLConfig or SFTConfig): a pre-flight check on the launcher,
-    and the decision on rank 0 (`decide_resume`)."""
+def check_resume(cfg, kind: str, decide: bool = False) -> int | None:
+    """`resume_step` for a run config (RLConfig or SFTConfig): a pre-flight check on the launcher
+    (sizes only, silent, and the run directory must be free: `check_run_dir_free`), and with
+    `decide` the decision on rank 0 (`decide_resume`: checksums verified, skips warned once)."""
+    if not decide:
+        check_run_dir_free(Path(cfg.output_dir))
     env = cfg.env.model_dump() if hasattr(cfg, "env") else None
     return resume_step(cfg.resume, Path(cfg.output_dir), cfg.max_steps, kind, cfg.model.model_dump(), env,
-                       restart_count())
+                       restart_count(), verify=decide, warn=decide)
 
 
 def decide_resume(cfg, kind: str) -> int | None:
@@ -243,7 +321,7 @@ def decide_resume(cfg, kind: str) -> int | None:
     rank of the default group gets its step (None: start fresh). A collective."""
     value = None
     if dist.get_rank() == 0:
-        value = check_resume(cfg, kind)
+        value = check_resume(cfg, kind, decide=True)
         clean_partial(checkpoints_dir(cfg.output_dir))
         if value is not None:
             supersede_later(checkpoints_dir(cfg.output_dir), value)
@@ -293,26 +371,115 @@ def supersede_later(root: Path, step: int) -> list[int]:
 
 
 def begin(root: Path, step: int, files: dict[str, Any]) -> Path:
-    """Create `step_N.tmp/` (replacing any leftover) with the given JSON files; returns its path."""
+    """Create `step_N.tmp/` (replacing any leftover) with the given JSON files; returns its path.
+    OSError if it cannot be written (a full disk), with the partial folder removed."""
     tmp = root / f"step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for name, value in files.items():
-        write_json(tmp / name, value)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        for name, value in files.items():
+            write_json(tmp / name, value)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
-def finalize(tmp: Path, manifest: dict[str, Any]) -> Path:
-    """List the files of `tmp`, write COMPLETE last (fsynced) and rename the folder to step_N."""
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    write_json(tmp / MARKER, {**manifest, "format": FORMAT, "files": files})
+def begin_save(root: Path, step: int, files: dict[str, Any], on_error: str) -> Path | None:
+    """`begin` for a save: None when the files cannot be written, reported as a failed save
+    (`report_failed_save`: an ERROR line, or CheckpointError under on_error = "fail")."""
+    try:
+        return begin(root, step, files)
+    except OSError as e:
+        report_failed_save(step, root / f"step_{step}.tmp", e, on_error)
+        return None
+
+
+def finalize(tmp: Path, manifest: dict[str, Any], files: dict[str, Any] | None = None) -> Path:
+    """Write `files` (JSON) into `tmp`, hash every file of it, write COMPLETE last (fsynced) and
+    rename the folder to step_N."""
+    for name, value in (files or {}).items():
+        write_json(tmp / name, value)
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    sums = checksums(tmp, names)
+    listing = {name: {"size": (tmp / name).stat().st_size, "sha256": sums[name]} for name in names}
+    write_json(tmp / MARKER, {**manifest, "format": FORMAT, "hash": HASH, "files": listing})
     final = tmp.with_name(f"step_{manifest['step']}")
     if final.exists():  # an older save of the same step (a resumed run passing it again)
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     return final
+
+
+class CheckpointError(RuntimeError):
+    """A save failed and `checkpoint.on_error` is "fail": the run stops (the previous checkpoint stays)."""
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """`e`, the per-rank errors a DCP CheckpointException carries, and their causes."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out, todo = [], [e]
+    while todo:
+        c = todo.pop(0)
+        if c is None or any(c is seen for seen in out):
+            continue
+        out.append(c)
+        if isinstance(c, CheckpointException):
+            todo += [exc for exc, _ in c.failures.values()]
+        todo += [c.__cause__, c.__context__]
+    return out
+
+
+_FULL_BYTES = 2**20  # less free space than this after a failed write: the disk is full
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def describe_write_error(e: BaseException, where: Path) -> str:
+    """One line for a failed write: "no space left on device (PATH)" for ENOSPC, or when the
+    filesystem is full after it (torch.save's zip writer reports a short write as a RuntimeError),
+    else the OS error with its path, else the first error's first line."""
+    causes = _causes(e)
+    errors = [c for c in causes if isinstance(c, OSError)]
+    for c in errors:
+        if c.errno in (errno.ENOSPC, errno.EDQUOT):
+            reason = "no space left on device" if c.errno == errno.ENOSPC else "disk quota exceeded"
+            return f"{reason} ({c.filename or where})"
+    free = _free_bytes(where)
+    if free < _FULL_BYTES:
+        return f"no space left on device ({where}: {free // 1024} KiB free)"
+    if errors:
+        return f"{errors[0].strerror or errors[0]} ({errors[0].filename or where})"
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    first = next((c for c in causes if not isinstance(c, CheckpointException)), e)
+    text = str(first).strip()
+    return f"{type(first).__name__}: {text.splitlines()[0] if text else ''} ({where})"
+
+
+def report_failed_save(step: int, tmp: Path, error: BaseException, on_error: str, failed: int | None = None,
+                       remove: bool = False) -> None:
+    """Say that the save of step_N failed and why, naming the checkpoint that stays, and remove the
+    partial folder (`remove`: the rank that owns it); CheckpointError under on_error = "fail".
+    `failed`: failed saves so far, this one included."""
+    reason = describe_write_error(error, tmp)  # before the removal: it may look at the free space
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = [s for s in list_steps(tmp.parent) if s != step]
+    message = (f"checkpoint step_{step} failed: {reason}; the previous checkpoint "
+               f"({f'step_{kept[-1]}' if kept else 'none'}) is kept")
+    if on_error == "fail":
+        raise CheckpointError(f"{message}; stopping (checkpoint.on_error = \"fail\")") from error
+    count = f"{failed} failed save(s) so far; " if failed is not None else ""
+    log.error("%s (%scheckpoint.on_error = \"warn\": training goes on, the next save tries again)", message, count)
 
 
 def prune(root: Path, keep_last: int, keep_every: int) -> list[int]:
@@ -332,27 +499,58 @@ def prune(root: Path, keep_last: int, keep_every: int) -> list[int]:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's .metadata and nothing else: only DCP's metadata dataclasses, torch sizes,
-    dtypes and layouts, and paths may be named, so a crafted file cannot run code."""
+    """Unpickles DCP's .metadata and nothing else: only the classes DCP's metadata is made of, torch
+    sizes, dtypes and layouts, and paths may be named, so a crafted file cannot run code.
+    (BytesStorageMetadata may be named, so that `_check_metadata` can refuse it by name.)"""
 
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+    _ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
 
     def find_class(self, module: str, name: str):
-        if module in self._MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):
-                return obj
-        elif (module, name) in self._ALLOWED:
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                            torch.memory_format)):
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a checkpoint may not contain")
 
 
-def _safe_reader(path: Path):
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    """DCP's names of the leaves of a nested state dict ("model.<param>", "optim.<param>.<state>")."""
+    out = []
+    for k, v in state.items():
+        out += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
+
+
+def _check_metadata(metadata, expected: set[str] | None, files: set[str] | None, what: str) -> None:
+    """ValueError if DCP's metadata holds anything but tensors, entries this state has no place for,
+    or storage in files outside `files` (None: not checked)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = metadata.state_dict_metadata
+    objects = sorted(k for k, md in entries.items() if not isinstance(md, TensorStorageMetadata))
+    if objects:
+        raise ValueError(f"{what}: its metadata declares {objects[:3]} as pickled objects ({type(entries[objects[0]]).__name__}), "
+                         "which DCP would load with torch.load(weights_only=False); a meshrl checkpoint holds tensors "
+                         "only, so it is refused")
+    if expected is not None and set(entries) != expected:
+        extra, missing = sorted(set(entries) - expected), sorted(expected - set(entries))
+        raise ValueError(f"{what} does not match this model's state: entries with no matching parameter or "
+                         f"optimizer state {extra[:5]}{' ...' if len(extra) > 5 else ''}, missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    stored = {info.relative_path for info in metadata.storage_data.values()}
+    if files is not None and not stored <= files:
+        raise ValueError(f"{what}: its metadata points at files the manifest does not list: {sorted(stored - files)[:5]}")
+
+
+def _safe_reader(path: Path, expected: set[str] | None = None, files: set[str] | None = None,
+                 what: str = "the checkpoint"):
+    """A DCP reader of `path` whose metadata goes through `_MetadataUnpickler` and `_check_metadata`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -360,12 +558,25 @@ def _safe_reader(path: Path):
         def read_metadata(self, *args, **kwargs):
             with open(Path(self.path) / ".metadata", "rb") as f:
                 metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            _check_metadata(metadata, expected, files, what)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeFileSystemReader(str(path))
+
+
+def _tensors_only_planner():
+    """DCP's load planner, except that it never unpickles a byte entry (`_check_metadata` already
+    refuses them; this is the second lock on the same door)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise ValueError(f"checkpoint entry {read_item.dest_index.fqn} is a pickled object; refusing to load it")
+
+    return TensorsOnlyLoadPlanner()
 
 
 # ----------------------------------------------------------------------------- trainer state
@@ -478,7 +689,11 @@ class TrainerCheckpointer:
         self._shapes: dict[str, list[int]] | None = None
 
     def save(self, step: int, tmp: Path) -> None:
-        """Write the trainer state after `step` optimizer steps into `tmp` (created by `begin`)."""
+        """Write the trainer state after `step` optimizer steps into `tmp` (created by `begin`).
+
+        Nothing is written here but DCP's shards (DCP reports a failure on any rank to every rank,
+        so all ranks agree on it); trainer.json, the checksums and COMPLETE follow in `_complete`,
+        every write inside the save's error handling."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -486,60 +701,52 @@ class TrainerCheckpointer:
         self.wait()
         start = time.perf_counter()
         state, _, _ = trainer_state(self.trainer, self.meshes)
-        (tmp / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-        if self.leader:
-            write_json(tmp / TRAINER_FILE, self.trainer.state_dict())
-        writer = dcp.FileSystemWriter(str(tmp / TRAINER_DIR))
-        if self.cfg.async_save:
-            # the state is copied to CPU before this returns; the files are written in the background
-            saved = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-        else:
-            saved = Future()
-            try:
+        counters = self.trainer.state_dict()  # as of this step: training goes on during an async save
+        writer = dcp.FileSystemWriter(str(tmp / TRAINER_DIR))  # DCP creates the folder
+        saved: Future = Future()
+        try:
+            if self.cfg.async_save:
+                # the state is copied to CPU before this returns; the files are written in the background
+                saved = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            else:
                 saved.set_result(dcp.save(state, storage_writer=writer, process_group=self.group))
-            except (OSError, CheckpointException) as e:  # a full disk: reported by _complete, as when async
-                saved.set_exception(e)
+        except (OSError, CheckpointException) as e:  # a full disk: reported by _complete, as when async
+            saved.set_exception(e)
         log.info("checkpoint step_%d: trainer state staged in %.3fs", step, time.perf_counter() - start)
-        self._pending = self._executor.submit(self._complete, step, tmp, saved, start)
+        if self.cfg.async_save:
+            self._pending = self._executor.submit(self._complete, step, tmp, saved, counters, start)
+        else:  # completed (or reported) before training goes on
+            self._complete(step, tmp, saved, counters, start)
 
     def save_with(self, step: int, root: Path, files: dict[str, Any]) -> None:
         """When every rank is a trainer (SFT): the leader creates step_N.tmp/ with `files`, then all save."""
         self.wait()  # the group is free again: nothing runs in the background now
         ok = True
         if self.leader:
-            try:
-                begin(root, step, files)
-            except OSError as e:
-                log.error("checkpoint step_%d: cannot write the run state (%s); skipped", step, e)
-                ok = False
+            ok = begin_save(root, step, files, self.cfg.on_error) is not None
+            self.failed += not ok
         if agree(1 if ok else None, self.group) is not None:
             self.save(step, root / f"step_{step}.tmp")
 
-    def _complete(self, step: int, tmp: Path, saved: Future, start: float) -> bool:
+    def _complete(self, step: int, tmp: Path, saved: Future, counters: dict[str, Any], start: float) -> bool:
+        """Wait for DCP's writes, then (leader) trainer.json, checksums, COMPLETE, rename, prune.
+        A failure anywhere is `report_failed_save`'s (the partial folder is removed)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             saved.result()
-        except (OSError, CheckpointException) as e:
-            # The previous checkpoint is untouched; the run goes on and the next save tries again.
-            self.failed += 1
-            log.error("checkpoint step_%d failed (%s: %s); keeping the previous checkpoints (%d failed saves)",
-                      step, type(e).__name__, e, self.failed)
             if self.leader:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if self._shapes is None:
+                    self._shapes = global_shapes(self.trainer.model)
+                manifest = {**self.manifest, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            "shapes": self._shapes}
+                final = finalize(tmp, manifest, {TRAINER_FILE: counters})
+        except (OSError, CheckpointException) as e:
+            # The previous checkpoint is untouched; the run goes on (or stops: on_error) without this one.
+            self.failed += 1
+            report_failed_save(step, tmp, e, self.cfg.on_error, self.failed, remove=self.leader)
             return False
         if self.leader:
-            if self._shapes is None:
-                self._shapes = global_shapes(self.trainer.model)
-            manifest = {**self.manifest, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "shapes": self._shapes}
-            try:
-                final = finalize(tmp, manifest)
-            except OSError as e:
-                self.failed += 1
-                log.error("checkpoint step_%d could not be completed (%s); keeping the previous checkpoints", step, e)
-                shutil.rmtree(tmp, ignore_errors=True)
-                return False
             deleted = prune(final.parent, self.cfg.keep_last, self.cfg.keep_every)
             size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
             log.info("checkpoint %s complete: %.1f MiB in %.2fs%s", final, size / 2**20, time.perf_counter() - start,
@@ -559,14 +766,21 @@ class TrainerCheckpointer:
             self._pending = None
 
     def load(self, path: Path, manifest: dict[str, Any]) -> None:
-        """Load `path`'s trainer state into the trainer, resharding to this layout (all trainer ranks)."""
+        """Load `path`'s trainer state into the trainer, resharding to this layout (all trainer ranks).
+
+        ValueError, before anything is read, if the checkpoint's metadata declares an entry that is
+        not a tensor (DCP would unpickle it), an entry with no matching parameter or optimizer state,
+        or a storage file the manifest does not list (so every byte read was verified)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         start = time.perf_counter()
         check_shapes(self.trainer.model, manifest)
         state, msd, osd = trainer_state(self.trainer, self.meshes)
-        dcp.load(state, storage_reader=_safe_reader(path / TRAINER_DIR), process_group=self.group)
+        files = {rel.removeprefix(f"{TRAINER_DIR}/") for rel in manifest["files"] if rel.startswith(f"{TRAINER_DIR}/")}
+        reader = _safe_reader(path / TRAINER_DIR, set(_flat_keys(state)), files, f"checkpoint {path.name}")
+        reader.read_metadata()  # the checks, on every rank, before DCP's collectives
+        dcp.load(state, storage_reader=reader, planner=_tensors_only_planner(), process_group=self.group)
         set_model_state_dict(self.trainer.model, msd)
         set_optimizer_state_dict(self.trainer.model, self.trainer.optimizer, osd)
         self.trainer.load_state_dict(json.loads((path / TRAINER_FILE).read_text()))

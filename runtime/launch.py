@@ -1,17 +1,33 @@
-"""Starting a job: config checks before any process group, torchrun, and failure reports.
+"""Starting a job: config checks before any process group, torchrun, signals and failure reports.
 
 Two ways in, one code path:
 
 - `meshrl rl @ cfg.toml` (or `meshrl.runtime.rl.launch(cfg)` from Python) validates the
-  config, writes RUN_DIR/config.json and starts `torchrun --nproc-per-node <world size>`
+  config, takes the run directory's lock, writes RUN_DIR/config.json and starts torchrun's agent
+  (`python -m meshrl.runtime.launch --agent ...`: torchrun's own `run`, plus the record below)
   with the rank module on that file;
 - `torchrun --nproc-per-node N -m meshrl.runtime.rl @ cfg.toml` runs the rank module
   directly (multi-node, Slurm). Every rank validates the config and the world size before
-  `init_process_group`, so a mistake costs no rendezvous.
+  `init_process_group`, so a mistake costs no rendezvous; rank 0 takes the lock.
+
+Process tree and signals (no orphans):
+
+    meshrl (launcher)   holds RUN_DIR/job.lock; forwards SIGINT/SIGTERM to the agent and waits;
+      |                 a second Ctrl-C kills the agent. Exit 130 (SIGINT) / 143 (SIGTERM) with
+      |                 one line: where the run stopped and how to resume it.
+      +- agent          torchrun, in a session of its own (the terminal's Ctrl-C reaches the
+           |            launcher only); dies with the launcher (parent-death signal SIGTERM, which
+           |            makes torchrun stop its workers); on a failure writes torchrun's record of
+           |            the failed ranks (logs/torchrun-failure.json)
+           +- ranks     die with their agent (parent-death signal SIGKILL, or a watchdog thread
+                        where prctl is missing); SIGINT kills a rank at once (no traceback);
+                        heartbeats (runtime/liveness.py) end the job when a rank freezes
 
 A rank that raises writes its traceback to RUN_DIR/logs/error-rank{R}.txt and exits at once
 with status 1 (no graceful teardown that could hang on a dead peer); torchrun then stops the
-other ranks and the launcher prints which rank failed and why.
+other ranks and the launcher names the rank that failed first from torchrun's record (the ranks
+that had failed when torchrun first saw a failure, their exit codes and times), with the last
+line of its error file, then the others.
 
 With `dist.max_restarts = K` the launcher passes `--max-restarts K` to torchrun: when a rank
 dies, torchrun stops the others and starts all of them again (TORCHELASTIC_RESTART_COUNT counts
@@ -21,16 +37,25 @@ resumes from the latest complete checkpoint (runtime/checkpoint.py, docs/checkpo
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshrl.runtime.config import Base, ConfigError, load_config
-from meshrl.runtime.rundir import log, restart_count, write_config, write_error
+from meshrl.runtime.liveness import start_liveness
+from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, lock_run_dir, log, restart_count, write_config,
+                                   write_error)
 
 EXIT_CONFIG = 2
 
@@ -77,53 +102,233 @@ def check_world_size(cfg: Base) -> None:
             f"(set --nproc-per-node/--nnodes to match, or change the layout)")
 
 
+FAILURE_RECORD = "torchrun-failure.json"
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
 def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> int:
-    """Write RUN_DIR/config.json and run `module` under torchrun on one node; returns the exit code."""
+    """Run `module` under torchrun on one node; returns the exit code (130 after Ctrl-C).
+
+    Takes RUN_DIR's lock first (exit 2 with one line naming the holder if another job has it), then
+    writes RUN_DIR/config.json and starts the agent in a session of its own."""
     run_dir = Path(cfg.output_dir)
+    try:
+        lock_run_dir(run_dir)
+    except ValueError as e:  # another job took it since the pre-flight check
+        fail(str(e))
     config_path = write_config(run_dir, cfg.model_dump_json(indent=2))
-    for stale in (*(run_dir / "logs").glob("error-rank*.txt"), *(run_dir / "logs").glob("restart*-error-rank*.txt")):
-        stale.unlink()
+    logs = run_dir / "logs"
+    for stale in (*logs.glob("error-rank*.txt"), *logs.glob("restart*-error-rank*.txt"), logs / FAILURE_RECORD):
+        stale.unlink(missing_ok=True)
     restarts = run_dir / "restarts.jsonl"
     before = len(restarts.read_text().splitlines()) if restarts.is_file() else 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
-           f"--max-restarts={cfg.dist.max_restarts}", *(extra_torchrun or []), "-m", module, "@", str(config_path)]
+    cmd = [sys.executable, "-m", "meshrl.runtime.launch", "--agent", str(logs / FAILURE_RECORD), "--standalone",
+           f"--nproc-per-node={cfg.world_size}", f"--max-restarts={cfg.dist.max_restarts}", *(extra_torchrun or []),
+           "-m", module, "@", str(config_path)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
-    code = subprocess.call(cmd, env=env)
+    env[LOCK_ENV] = f"host {socket.gethostname()} pid {os.getpid()}"
+    code, stopped_by = run_forwarding_signals(cmd, env)
     rows = restarts.read_text().splitlines()[before:] if restarts.is_file() else []
     num_restarts = sum(json.loads(r)["restart"] > 0 for r in rows)
     if num_restarts:
         print(f"meshrl: the job was restarted {num_restarts} time(s) after a rank failed; see {restarts} and "
               f"{run_dir}/logs/restart*-error-rank*.txt", file=sys.stderr, flush=True)
+    if stopped_by is not None:
+        print(f"meshrl: {stop_line(run_dir, cfg, module, stopped_by)}", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL[stopped_by]
     if code != 0:
         report_failure(run_dir, code)
     return code
 
 
+def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, signal.Signals | None]:
+    """Run the agent and wait for it, forwarding SIGINT and SIGTERM to it; a second one kills it.
+    Returns (its exit code, the first signal forwarded or None)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    got: list[signal.Signals] = []
+
+    def forward(signum, frame):
+        got.append(signal.Signals(signum))
+        proc.send_signal(signal.SIGKILL if len(got) > 1 else signum)  # the agent stops its ranks
+
+    previous = {sig: signal.signal(sig, forward) for sig in EXIT_SIGNAL}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code, (got[0] if got else None)
+
+
+def stop_line(run_dir: Path, cfg: Base, module: str, sig: signal.Signals) -> str:
+    """Where an interrupted run stopped and how to continue it."""
+    from meshrl.runtime.checkpoint import checkpoints_dir, find_checkpoint
+
+    metrics = run_dir / "metrics.jsonl"
+    done = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    found = find_checkpoint(checkpoints_dir(run_dir), verify=False, warn=False)
+    what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    command = f"meshrl {module.rsplit('.', 1)[-1]} @ {run_dir / 'config.json'}"
+    if found is None:
+        return (f"{what} after {done} of {cfg.max_steps} steps; no checkpoint was complete yet, so `{command}` "
+                f"starts it over (set checkpoint.every to make runs resumable)")
+    return (f"{what} after {done} of {cfg.max_steps} steps; the latest checkpoint is step_{found[0]}: resume with "
+            f"`{command} --resume`")
+
+
 def report_failure(run_dir: Path, code: int) -> None:
-    """Name the rank that failed and the last line of its error."""
-    # the first error written is the root cause; the others are usually its consequences
-    errors = sorted((run_dir / "logs").glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
-    if not errors:
-        print(f"meshrl: the job failed (exit {code}) and no rank left a Python error: a rank was killed or "
-              f"crashed; see the torchrun output above and {run_dir}/logs/", file=sys.stderr)
-        return
-    for i, path in enumerate(errors):
+    """Name the rank that failed first, from torchrun's record, then the others (one line each)."""
+    logs = run_dir / "logs"
+    errors = _error_files(logs)
+    record_path = logs / FAILURE_RECORD
+    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if record is None:
+        if code < 0:
+            print(f"meshrl: the torchrun agent was killed ({signal.Signals(-code).name}); its ranks died with it. "
+                  f"See {logs}/", file=sys.stderr)
+            return
+        record = {"failures": []}  # the agent failed before any rank did (a rendezvous error, say)
+    # torchrun lists the ranks that had failed when it first saw a failure, then those it stopped
+    # itself (SIGTERM), all with times in whole seconds: within a second, a rank killed by a signal
+    # (it did not fail because of a peer) comes first, then ranks by the time of their error files.
+    stopped = -int(signal.SIGTERM)
+    order = sorted(record["failures"], key=lambda f: (f["exitcode"] == stopped, f["timestamp"], f["exitcode"] >= 0,
+                                                      errors.get(f["rank"], {}).get("time", float("inf")), f["rank"]))
+    ranks = [f["rank"] for f in order if f["exitcode"] != stopped or f["rank"] in errors or f is order[0]]
+    ranks += sorted((r for r in errors if r not in ranks), key=lambda r: errors[r]["time"])
+    if not ranks:
+        print(f"meshrl: the job failed (exit {code}) and no rank left a Python error; see the torchrun output "
+              f"above and {logs}/", file=sys.stderr)
+    exits = {f["rank"]: f["exitcode"] for f in record["failures"]}
+    for i, rank in enumerate(ranks[:6]):
+        print(f"meshrl: {_failure_line(logs, rank, errors.get(rank), exits.get(rank))} "
+              f"{'failed first' if i == 0 else 'then failed'}{_failure_reason(errors.get(rank), exits.get(rank))}",
+              file=sys.stderr)
+    if len(ranks) > 6:
+        print(f"meshrl: ... and {len(ranks) - 6} more ranks (see {logs}/)", file=sys.stderr)
+
+
+def _error_files(logs: Path) -> dict[int, dict[str, Any]]:
+    """rank -> {who, last, time, path} of the error files of the last attempt."""
+    out = {}
+    for path in logs.glob("error-rank*.txt"):
         lines = path.read_text().strip().splitlines()
-        who = lines[0] if lines else path.stem
-        last = lines[-1] if len(lines) > 1 else "unknown error"
-        what = "failed first" if i == 0 else "then failed"
-        print(f"meshrl: {who} {what}: {last}  (traceback: {path})", file=sys.stderr)
+        time_line = lines[1] if len(lines) > 1 and lines[1].startswith("time ") else ""
+        out[int(path.stem.removeprefix("error-rank"))] = {
+            "who": lines[0] if lines else path.stem, "last": lines[-1] if len(lines) > 2 else "unknown error",
+            "time": float(time_line[5:]) if time_line else path.stat().st_mtime, "path": path}
+    return out
+
+
+def _failure_line(logs: Path, rank: int, error: dict[str, Any] | None, exitcode: int | None) -> str:
+    if error is not None:
+        return error["who"]
+    roles = [p.stem.split("-", 1)[1] for p in logs.glob(f"rank{rank}-*.log")]
+    return f"rank {rank} ({roles[0] if roles else 'starting'})"
+
+
+def _failure_reason(error: dict[str, Any] | None, exitcode: int | None) -> str:
+    if error is not None:
+        return f": {error['last']}  (traceback: {error['path']})"
+    if exitcode is not None and exitcode < 0:
+        return f": killed by {signal.Signals(-exitcode).name} (no Python error)"
+    return f": exit code {exitcode} and no error file (see its output above)" if exitcode is not None else ""
+
+
+# ----------------------------------------------------------------------------- the agent
+
+
+def agent_main(argv: list[str]) -> None:
+    """`python -m meshrl.runtime.launch --agent RECORD TORCHRUN_ARGS...`: torchrun's agent, which
+    dies with the launcher, writes torchrun's record of a failure to RECORD (rank, pid, exit code,
+    time of every rank that had failed when torchrun first saw one) and prints torchrun's summary
+    without a Python traceback; stopped by a signal, it exits 128 + the signal quietly."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    die_with_parent(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_quiet_shutdown)
+    record = Path(argv[0])
+    try:
+        run(parse_args(argv[1:]))
+    except ChildFailedError as e:
+        root, _ = e.get_first_failure()
+        failures = [{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+                     "timestamp": f.timestamp, "message": f.message} for rank, f in sorted(e.failures.items())]
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"root": root, "failures": failures}, indent=1))
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        sys.exit(1)
+    except SignalException as e:
+        sys.exit(128 + int(e.sigval))
+
+
+def _quiet_shutdown(record: logging.LogRecord) -> bool:
+    """Drop torchrun's per-process lines of a shutdown ("Received 2 death signal", "Sending process N
+    closing signal SIGTERM"): the launcher says in one line what stopped the job."""
+    message = record.getMessage()
+    return "death signal" not in message and "closing signal" not in message
+
+
+def die_with_parent(sig: signal.Signals) -> None:
+    """Get `sig` when the parent process dies (Linux prctl PR_SET_PDEATHSIG); elsewhere a watchdog
+    thread that kills this process when it is re-parented."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), sig)
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def rank_main(cls: type[Base], argv: list[str], preflight: Callable[[Base], None], role: str,
               body: Callable[[Base, Path], None]) -> None:
-    """The start of every rank program: validate, then run `body(cfg, run_dir)` guarded."""
+    """The start of every rank program: die with the agent, validate, lock the run directory (rank
+    0 of a job started by torchrun directly), heartbeat, then run `body(cfg, run_dir)` guarded."""
+    die_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the rank ends at once, without a traceback
     cfg, _ = parse_or_exit(cls, argv, preflight)
     run_dir = Path(cfg.output_dir)
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 and LOCK_ENV not in os.environ:
+        try:
+            lock_run_dir(run_dir)
+        except ValueError as e:
+            fail(str(e))
     archive_error(run_dir, rank)
+    liveness = start_liveness(cfg.dist.heartbeat_timeout_s, lambda *silent: on_silent(run_dir, rank, *silent))
     guarded(run_dir, rank, role, lambda: body(cfg, run_dir))
+    if liveness is not None:
+        liveness.close()
+
+
+def on_silent(run_dir: Path, rank: int, silent: int, message: str, beat: dict[str, Any]) -> None:
+    """A watched rank fell silent (runtime/liveness.py). On this host: its error file says so and it
+    is killed (torchrun then ends or restarts the job). Elsewhere: this rank fails with the message."""
+    log.error("%s", message)
+    if beat["host"] == socket.gethostname():
+        write_error(run_dir, silent, beat["role"], f"HeartbeatTimeout: {message}; killed by rank {rank}")
+        print(f"[rank {rank} {ACTIVITY['role']}] {message}; killing it", file=sys.stderr, flush=True)
+        try:
+            os.kill(beat["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it died meanwhile: torchrun has seen that
+        return
+    write_error(run_dir, rank, ACTIVITY["role"], f"HeartbeatTimeout: {message}")
+    print(f"[rank {rank} {ACTIVITY['role']}] HeartbeatTimeout: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def archive_error(run_dir: Path, rank: int) -> None:
@@ -150,3 +355,7 @@ def guarded(run_dir: Path, rank: int, role: str, fn: Callable[[], None]) -> None
         print(f"[rank {rank} {role}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(1)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--agent"]:
+    agent_main(sys.argv[2:])

@@ -12,14 +12,20 @@
                                 rank and role (and the restart, after one)
       logs/error-rank{R}.txt    the traceback of a rank that failed (read by the launcher); a
                                 restart renames earlier ones to restart{A}-error-rank{R}.txt
+      logs/torchrun-failure.json  torchrun's own record of the failed ranks (exit codes, times),
+                                written by the launcher's agent (runtime/launch.py)
+      job.lock             flock held by the job using the directory (its host and pid inside):
+                           a second job on the same directory is refused
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,6 +34,64 @@ from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger("meshrl")
+
+
+LOCK_FILE = "job.lock"
+LOCK_ENV = "MESHRL_RUN_LOCK"
+"""Set by `meshrl rl|sft` for the ranks it starts: it holds the run directory's lock for them."""
+_held_locks: dict[str, int] = {}  # lock file -> descriptor, for the locks this process holds
+
+ACTIVITY: dict[str, Any] = {"role": "starting", "phase": "starting", "since": time.time()}
+"""What this rank is doing (its role, and the phase its Heartbeat names): carried by its heartbeats
+(runtime/liveness.py), so a silent rank's last activity is known."""
+
+
+def note_activity(phase: str) -> None:
+    """Record this rank's current phase (a Heartbeat does it on every `set`)."""
+    ACTIVITY["phase"], ACTIVITY["since"] = phase, time.time()
+
+
+def _lock_holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 4096).decode(errors="replace").strip() or "a process that has not written its name yet"
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold RUN_DIR/job.lock (flock) until this process exits, writing its host and pid into it;
+    ValueError (one line naming the holder) if another job holds it. The lock dies with its
+    process, so a killed job leaves nothing to clean up."""
+    path = run_dir / LOCK_FILE
+    if str(path.resolve()) in _held_locks:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise ValueError(f"{run_dir} is in use by another job ({holder}): wait for it to end, or choose "
+                         "another output_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+             .encode())
+    _held_locks[str(path.resolve())] = fd
+
+
+def check_run_dir_free(run_dir: Path) -> None:
+    """ValueError naming the holder if another job holds RUN_DIR's lock (this process may hold it)."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file() or str(path.resolve()) in _held_locks:
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise ValueError(f"{run_dir} is in use by another job ({_lock_holder(fd)}): wait for it to end, or choose "
+                         "another output_dir") from None
+    finally:
+        os.close(fd)
 
 
 def restart_count() -> int:
@@ -39,6 +103,7 @@ def setup_logging(run_dir: Path, rank: int, role: str, console_level: int = logg
     """Log INFO and above to logs/rank{R}-{role}.log, and `console_level` and above to stderr."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    ACTIVITY["role"] = role
     attempt = restart_count()
     tag = f"rank {rank} {role}" + (f" restart {attempt}" if attempt else "")
     fmt = logging.Formatter(f"%(asctime)s [{tag}] %(levelname)s %(message)s")
@@ -55,12 +120,18 @@ def setup_logging(run_dir: Path, rank: int, role: str, console_level: int = logg
 
 
 def write_error(run_dir: Path, rank: int, role: str, text: str) -> None:
-    """Leave the traceback of a failed rank where the launcher finds it."""
+    """Leave the traceback of a failed rank where the launcher finds it (first line: who and when).
+    A file that cannot be written (a full disk) is said on stderr instead: the rank is ending anyway."""
     logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     attempt = restart_count()
-    (logs / f"error-rank{rank}.txt").write_text(f"rank {rank} ({role})" + (f" in restart {attempt}" if attempt else "")
-                                                + f"\n{text}")
+    head = f"rank {rank} ({role})" + (f" in restart {attempt}" if attempt else "")
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"error-rank{rank}.txt").write_text(f"{head}\ntime {time.time():.3f}\n{text}")
+    except OSError as e:
+        (logs / f"error-rank{rank}.txt").unlink(missing_ok=True)  # an empty file would name no error
+        print(f"[{head}] could not write {logs}/error-rank{rank}.txt ({e}); the error was:\n{text}",
+              file=sys.stderr, flush=True)
 
 
 def write_config(run_dir: Path, config_json: str) -> Path:
@@ -155,6 +226,39 @@ def record_restart(run_dir: Path, resumed_from: int | None, steps_lost: int) -> 
     log.warning("%s: continuing %s; %d step(s) done before are computed again", what, where, steps_lost)
 
 
+class NotTrainingError(RuntimeError):
+    """The run's recent steps taught the policy nothing (every rollout failed, or every update was
+    non-finite and skipped): it stops rather than burn the allocation."""
+
+
+class TrainingWatch:
+    """Ends a run that is not training: `window` consecutive steps each of which had every rollout
+    failed (RL) or only a non-finite update (the optimizer step skipped). The window is the run's
+    checkpoint.every (10 when it saves no checkpoints), so such a run stops before it saves a
+    checkpoint of nothing learned."""
+
+    def __init__(self, window: int):
+        self.window = max(window, 1)
+        self.bad: list[tuple[int, str]] = []  # the latest run of bad steps: (step, why)
+
+    def step(self, step: int, grad_norm: float, rollouts: int = 0, failed: int = 0) -> None:
+        """Record step `step`; NotTrainingError once the last `window` steps were all bad."""
+        if rollouts and failed >= rollouts:
+            self.bad.append((step, "every rollout failed"))
+        elif not math.isfinite(grad_norm):
+            self.bad.append((step, "the update was non-finite (skipped)"))
+        else:
+            self.bad.clear()
+            return
+        if len(self.bad) >= self.window:
+            counts = {why: sum(w == why for _, w in self.bad) for why in dict.fromkeys(w for _, w in self.bad)}
+            what = next(iter(counts)) if len(counts) == 1 else " or ".join(f"{why} ({n} steps)" for why, n in counts.items())
+            raise NotTrainingError(
+                f"the run is not training: in each of its last {self.window} steps ({self.bad[0][0]}-{step}) {what}, "
+                "so it stops. Failed rollouts: see the reward function's traceback in logs/rank*-controller.log; "
+                "non-finite updates: lower the learning rate or check the data")
+
+
 class Heartbeat:
     """Says in the log which phase a rank is in once it has been there for `interval_s` seconds.
 
@@ -173,6 +277,7 @@ class Heartbeat:
 
     def set(self, phase: str) -> None:
         self._phase, self._since = phase, time.monotonic()
+        note_activity(phase)
 
     def _run(self) -> None:
         current, logged = None, 0

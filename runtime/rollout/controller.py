@@ -59,7 +59,7 @@ from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResu
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
-from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log
+from meshrl.runtime.rundir import MetricsWriter, ProgressLine, TrainingWatch, log, note_activity
 from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.transport import Message
 
@@ -129,6 +129,8 @@ class Controller:
         self.inbox = transport.Inbox()
         self.progress = ProgressLine(cfg.max_steps, cfg.log.console, "rl")
         self.final: dict[str, float] = {}
+        self.failed_saves = 0  # checkpoints whose controller state could not be written (checkpoint.on_error)
+        self.watch = TrainingWatch(cfg.checkpoint.every or 10)  # stops a run that is not training
         self._pending_stats: dict[str, float] = {}  # rollout statistics of the step being trained
         # Episodes (runtime/rollout/episodes.py): environment work on worker threads whose answers arrive
         # on the inbox as "episode" messages; every turn goes to its group's inference rank.
@@ -155,6 +157,7 @@ class Controller:
             self._dispatch()
             self._maybe_train()
             self.turns.flush()
+            note_activity(f"waiting for messages (trained {self.clock.trained}, dispatched {self.clock.dispatched})")
             msg = self.inbox.get(timeout=HEARTBEAT_S)
             if msg is None:
                 waited += HEARTBEAT_S
@@ -381,9 +384,12 @@ class Controller:
                    "time/weight_sync_s": meta["weight_sync_s"],
                    "weights/version": meta["version"],
                    "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),
+                   "checkpoint/failed_saves": self.failed_saves + trainer.get("failed_saves", 0),
                    **{k: v for k, v in trainer.items() if k.startswith("moe/")}}  # MoE load balance
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
             self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/rollout/evals.py)
+        self.watch.step(step, trainer["grad_norm"], self.cfg.prompts_per_step * self.cfg.samples_per_prompt,
+                        self._pending_stats["rollouts/failed"])
         del self.steps[step]
         self.clock.trained += 1
         self.clock.training = False
@@ -434,11 +440,10 @@ class Controller:
             return
         root = ckpt.checkpoints_dir(self.run_dir)
         path = None
-        if save:
-            try:
-                path = str(ckpt.begin(root, n, {ckpt.CONTROLLER_FILE: self.state_dict()}))
-            except OSError as e:  # a full disk: the previous checkpoints stay; the next save tries again
-                log.error("checkpoint step_%d: cannot write the controller state (%s); skipped", n, e)
+        if save:  # a full disk: None (warned, counted), or CheckpointError under checkpoint.on_error = "fail"
+            tmp = ckpt.begin_save(root, n, {ckpt.CONTROLLER_FILE: self.state_dict()}, c.on_error)
+            path = str(tmp) if tmp is not None else None
+            self.failed_saves += tmp is None
         if path is not None or export:
             msg = protocol.checkpoint(n, path, str(root / f"hf_step_{n}") if export else None)
             for r in self.layout.roles.trainers:

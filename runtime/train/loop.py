@@ -84,6 +84,7 @@ class TrainerRank:
         self.beat.set(f"train step {step}")
         cfg = self.cfg
         stats = self.trainer.rl_step(micro_batches, num_loss_tokens, cfg.trainer.loss, cfg.inference.sampling.temperature)
+        stats["failed_saves"] = self.checkpointer.failed  # checkpoint/failed_saves in metrics.jsonl
         version = self.trainer.version
         if self.leader:  # before the broadcast: the controller must tell inference to join it
             transport.send(protocol.weights(version), self.controller, self.up)

@@ -26,7 +26,8 @@ from meshrl.runtime.config import SFTConfig
 from meshrl.runtime.engine.api import Request, SamplingParams, generate
 from meshrl.runtime.engine.native import NativeEngine
 from meshrl.runtime.policy import build_policy, build_trainer_policy, compute_dtype, load_tokenizer_for
-from meshrl.runtime.rundir import MetricsWriter, ProgressLine, log, record_restart, restart_count, write_config
+from meshrl.runtime.rundir import (MetricsWriter, ProgressLine, TrainingWatch, log, record_restart, restart_count,
+                                   write_config)
 from meshrl.runtime.train.packing import count_loss_tokens, pack_sft
 from meshrl.runtime.train.trainer import Trainer
 
@@ -68,6 +69,7 @@ class SFTLoop:
         self.metrics = self._metrics() if self.leader else None
         self.progress = ProgressLine(cfg.max_steps, self.leader, "sft")
         self.evaluator = Evaluator(cfg, self.env, self.tokenizer, device) if cfg.eval_every else None
+        self.watch = TrainingWatch(cfg.checkpoint.every or 10)  # stops a run of only non-finite updates
 
     def _metrics(self) -> MetricsWriter:
         from meshrl.runtime.wandb_logger import make_sinks
@@ -93,6 +95,7 @@ class SFTLoop:
                 row["eval/reward"] = self.evaluator.run(self.model, self.leader)
             if self.leader:
                 self._log(step, row)
+            self.watch.step(step, stats["grad_norm"])  # the same global norm on every rank: all stop together
             self.cursor += cfg.batch_size
             self._maybe_checkpoint(step + 1)
         self.progress.close()

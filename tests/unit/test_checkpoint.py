@@ -1,6 +1,7 @@
 """Checkpoints: sharded save/load across layouts (real gloo processes), atomicity, fallback over
-partial or corrupt checkpoints, resume decisions, safe loading, a full disk, non-finite steps,
-metrics truncation on resume, the heartbeat and the W&B sink (a fake module and offline W&B)."""
+partial, corrupt (checksums) or malformed checkpoints, resume decisions, safe loading (the
+BytesStorageMetadata exploit), a full disk (a real tmpfs where one can be mounted), non-finite
+steps, metrics truncation on resume, the heartbeat and the W&B sink (a fake module and offline W&B)."""
 
 import errno
 import io
@@ -71,7 +72,7 @@ def _reshard_job(rank, world, family, degrees, mode, root):
     trainer = Trainer(model, OPTIM, torch.device("cpu"), dist.group.WORLD, meshes)
     group = dist.new_group(backend="gloo")
     saver = ckpt.TrainerCheckpointer(trainer, meshes, group, rank == 0, CheckpointConfig(),
-                                     {"kind": "rl", "layout": ckpt.layout_info(dims, world)})
+                                     {"kind": "rl", "model": MODEL, "layout": ckpt.layout_info(dims, world)})
     if mode == "save":
         batches = pack(make_samples(), SEQ_LEN, dims.num_data_ranks)
         trainer.rl_step(batches[dims.data_rank(rank)], count_loss_tokens(batches), LOSS, temperature=0.7)
@@ -181,21 +182,58 @@ def test_nonfinite_gradients_skip_the_step_and_are_counted(caplog):
 
 def test_partial_and_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path, caplog):
     t = _trainer()
-    for step in (1, 2, 3):
-        _save(t, tmp_path, step, CheckpointConfig(async_save=False, keep_last=5))
-    (tmp_path / "step_4.tmp").mkdir()  # a save that never finished is invisible
-    (tmp_path / "step_3" / ckpt.MARKER).unlink()  # a marker that was never written
+    for step in (1, 2, 3, 4, 5, 6):
+        _save(t, tmp_path, step, CheckpointConfig(async_save=False, keep_last=9))
+    (tmp_path / "step_7.tmp").mkdir()  # a save that never finished is invisible
+    (tmp_path / "step_6" / ckpt.MARKER).unlink()  # a marker that was never written
+    manifest = json.loads((tmp_path / "step_5" / ckpt.MARKER).read_text())
+    del manifest["files"]
+    (tmp_path / "step_5" / ckpt.MARKER).write_text(json.dumps(manifest))  # a malformed manifest
+    trainer_json = tmp_path / "step_4" / ckpt.TRAINER_FILE
+    trainer_json.write_bytes(b"x" * trainer_json.stat().st_size)  # garbage of the same length
+    shard = next((tmp_path / "step_3" / "trainer").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])  # 4 KiB flipped, the size unchanged
+    shard.write_bytes(bytes(data))
     shard = next((tmp_path / "step_2" / "trainer").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])  # a truncated shard
     with caplog.at_level(logging.WARNING, logger="meshrl"):
         step, path, _ = ckpt.find_checkpoint(tmp_path)
     assert step == 1 and path == tmp_path / "step_1"
-    assert "step_3: no COMPLETE marker" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 5 and all("\n" not in w for w in warnings)  # one line per skipped checkpoint
+    assert "step_6: no COMPLETE marker" in caplog.text
+    assert "step_5: COMPLETE is malformed: no 'files'" in caplog.text
+    assert "step_4: file trainer.json does not match its checksum" in caplog.text
+    assert "step_3: file trainer/__0_0.distcp does not match its checksum" in caplog.text
     assert "step_2: file trainer/__0_0.distcp has 100 bytes" in caplog.text
-    with pytest.raises(ValueError, match="--resume.step 2: .* is not a complete checkpoint"):
-        ckpt.find_checkpoint(tmp_path, 2)
+    # sizes alone (the launcher's quick look) miss same-size damage; rank 0 verifies checksums
+    assert ckpt.find_checkpoint(tmp_path, verify=False, warn=False)[0] == 4
+    with pytest.raises(ValueError, match="--resume.step 3: .* is not a complete checkpoint: file trainer/__0_0"):
+        ckpt.find_checkpoint(tmp_path, 3)
+    for broken in ([], {"format": 2, "step": 1, "hash": ckpt.HASH, "files": {"a": 3}}, {"format": 1, "step": 1}):
+        (tmp_path / "step_1" / ckpt.MARKER).write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="COMPLETE is"):
+            ckpt.read_manifest(tmp_path / "step_1")
+    assert ckpt.find_checkpoint(tmp_path) is None  # nothing valid left: start fresh, not a traceback
     ckpt.clean_partial(tmp_path)
-    assert not (tmp_path / "step_4.tmp").exists()
+    assert not (tmp_path / "step_7.tmp").exists()
+
+
+def test_checksums_hash_blocks_in_parallel_and_match_a_plain_sha256_of_the_blocks(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setattr(ckpt, "HASH_BLOCK", 1000)
+    data = bytes(range(256)) * 10  # 2560 bytes: blocks of 1000, 1000, 560
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    want = hashlib.sha256(b"".join(hashlib.sha256(data[i:i + 1000]).digest() for i in (0, 1000, 2000))).hexdigest()
+    sums = ckpt.checksums(tmp_path, ["f", "empty"], threads=3)
+    assert sums["f"] == want and sums["empty"] == hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
@@ -203,18 +241,59 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog
 
     t = _trainer()
     _save(t, tmp_path, 1, CheckpointConfig(async_save=False, keep_last=1))
-
-    def no_space(self, plan, planner):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", no_space)
     _step(t)
-    for async_save in (True, False):
-        with caplog.at_level(logging.ERROR, logger="meshrl"):
-            saver = _save(t, tmp_path, 2, CheckpointConfig(async_save=async_save, keep_last=1))
-        assert saver.failed == 1 and "checkpoint step_2 failed" in caplog.text
-        assert ckpt.list_steps(tmp_path) == [1] and not (tmp_path / "step_2.tmp").exists()
-        assert ckpt.find_checkpoint(tmp_path)[0] == 1  # still complete and valid
+    real_write_json = ckpt.write_json
+    for where in ("shards", "trainer.json"):
+        with monkeypatch.context() as m:
+            if where == "shards":
+                m.setattr(dcp.FileSystemWriter, "write_data", _no_space)
+            else:  # the write that used to escape the save's error handling
+                m.setattr(ckpt, "write_json", lambda path, value: _no_space() if path.name == ckpt.TRAINER_FILE
+                          else real_write_json(path, value))
+            for async_save in (True, False):
+                caplog.clear()
+                with caplog.at_level(logging.ERROR, logger="meshrl"):
+                    saver = _save(t, tmp_path, 2, CheckpointConfig(async_save=async_save, keep_last=1))
+                assert saver.failed == 1, (where, async_save)
+                assert "checkpoint step_2 failed: no space left on device" in caplog.text, caplog.text
+                assert "the previous checkpoint (step_1) is kept" in caplog.text
+                assert ckpt.list_steps(tmp_path) == [1] and not (tmp_path / "step_2.tmp").exists()
+                assert ckpt.find_checkpoint(tmp_path)[0] == 1  # still complete and valid
+            # checkpoint.on_error = "fail": the run stops, the previous checkpoint stays
+            with pytest.raises(ckpt.CheckpointError, match="no space left on device .*step_2.tmp.*step_1.*kept"):
+                _save(t, tmp_path, 2, CheckpointConfig(async_save=False, on_error="fail"))
+            assert ckpt.find_checkpoint(tmp_path)[0] == 1
+    # the controller's part of a save
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "write_json", _no_space)
+        assert ckpt.begin_save(tmp_path, 2, {ckpt.CONTROLLER_FILE: {}}, "warn") is None
+        assert not (tmp_path / "step_2.tmp").exists()
+        with pytest.raises(ckpt.CheckpointError, match="no space left on device"):
+            ckpt.begin_save(tmp_path, 2, {ckpt.CONTROLLER_FILE: {}}, "fail")
+
+
+def test_a_real_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, caplog):
+    """On a small tmpfs (skipped where none can be mounted): torch.save's zip writer reports the
+    short write as a RuntimeError, not ENOSPC; the message still says what happened."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        t = _trainer()
+        _save(t, disk, 1, CheckpointConfig(async_save=False))
+        (disk / "filler").write_bytes(b"\0" * (ckpt._free_bytes(disk) - 64 * 1024))
+        for async_save in (True, False):
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="meshrl"):
+                saver = _save(t, disk, 2, CheckpointConfig(async_save=async_save))
+            assert saver.failed == 1 and "checkpoint step_2 failed: no space left on device" in caplog.text
+            assert str(disk / "step_2.tmp") in caplog.text
+            assert ckpt.find_checkpoint(disk)[0] == 1 and not (disk / "step_2.tmp").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_prune_keeps_the_last_k_and_every_mth(tmp_path):
@@ -229,6 +308,41 @@ def test_prune_keeps_the_last_k_and_every_mth(tmp_path):
     assert not list(tmp_path.glob("*.superseded"))
 
 
+class _Payload:
+    """What the crafted checkpoint of issue 13 unpickled: it runs a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"echo pwned > {self.marker}",))
+
+
+def plant_exploit(step_dir: Path, marker: Path, name: str = "model.tok_embeddings.weight") -> None:
+    """Declare `name` in step_dir's DCP metadata as bytes (BytesStorageMetadata) stored in a
+    torch.save blob whose unpickling runs a command, and rewrite the manifest's checksums, as an
+    attacker who can write the folder would. Only DCP classes are named in the metadata."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    meta_path = step_dir / ckpt.TRAINER_DIR / ".metadata"
+    md = pickle.loads(meta_path.read_bytes())
+    md.state_dict_metadata[name] = BytesStorageMetadata()
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != name}
+    blob = io.BytesIO()
+    torch.save(_Payload(marker), blob)
+    (step_dir / ckpt.TRAINER_DIR / "payload.distcp").write_bytes(blob.getvalue())
+    md.storage_data[MetadataIndex(name)] = _StorageInfo("payload.distcp", 0, len(blob.getvalue()))
+    meta_path.write_bytes(pickle.dumps(md))
+    manifest = json.loads((step_dir / ckpt.MARKER).read_text())
+    names = sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file() and p.name != ckpt.MARKER)
+    sums = ckpt.checksums(step_dir, names)
+    manifest["files"] = {n: {"size": (step_dir / n).stat().st_size, "sha256": sums[n]} for n in names}
+    (step_dir / ckpt.MARKER).write_text(json.dumps(manifest))
+
+
 def test_metadata_is_loaded_without_arbitrary_pickle(tmp_path):
     class Evil:
         def __reduce__(self):
@@ -236,6 +350,11 @@ def test_metadata_is_loaded_without_arbitrary_pickle(tmp_path):
 
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
         ckpt._MetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+    # only the classes DCP's metadata is made of: not every class of DCP's modules
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    with pytest.raises(pickle.UnpicklingError, match="FileSystemWriter"):
+        ckpt._MetadataUnpickler(io.BytesIO(pickle.dumps(FileSystemWriter))).load()
     # a real DCP metadata file passes
     t = _trainer()
     _save(t, tmp_path, 1)
@@ -243,12 +362,66 @@ def test_metadata_is_loaded_without_arbitrary_pickle(tmp_path):
     assert "model.tok_embeddings.weight" in reader.read_metadata().state_dict_metadata
 
 
+def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
+    """The exploit of issue 13: with DCP's own reader and planner the payload runs (and the
+    parameter is silently left as it was); ours refuses the checkpoint before reading a byte."""
+    import torch.distributed.checkpoint as dcp
+
+    t = _trainer()
+    _step(t)
+    _save(t, tmp_path, 1)
+    marker = tmp_path / "PWNED"
+    plant_exploit(tmp_path / "step_1", marker)
+    _, path, manifest = ckpt.find_checkpoint(tmp_path)  # the checksums match: the attacker rewrote them
+    # the exploit is real: DCP's default reader runs the payload
+    state, _, _ = ckpt.trainer_state(_trainer())
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "trainer")))
+    assert marker.read_text().strip() == "pwned"
+    marker.unlink()
+    b = _trainer()
+    with pytest.raises(ValueError, match=r"declares \['model.tok_embeddings.weight'\] as pickled objects"):
+        ckpt.TrainerCheckpointer(b, None, None, True, CheckpointConfig(), {}).load(path, manifest)
+    assert not marker.exists()
+    # the second lock: the planner refuses byte entries even if a reader let one through
+    with pytest.raises(ValueError, match="pickled object"):
+        ckpt._tensors_only_planner().load_bytes(types.SimpleNamespace(dest_index=types.SimpleNamespace(fqn="x")),
+                                                io.BytesIO())
+
+
+def test_checkpoint_entries_must_match_the_models_state(tmp_path):
+    """An entry with no matching parameter (or a missing one) is an error, not a silent skip."""
+    t = _trainer()
+    _save(t, tmp_path, 1)
+    state, _, _ = ckpt.trainer_state(_trainer())
+    keys = set(ckpt._flat_keys(state))
+    md = ckpt._safe_reader(tmp_path / "step_1" / "trainer").read_metadata()
+    assert set(md.state_dict_metadata) == keys  # DCP's names of our state
+    with pytest.raises(ValueError, match=r"no matching parameter or optimizer state \['model.extra'\]"):
+        ckpt._check_metadata(_with_extra(md, "model.extra"), keys, None, "checkpoint step_1")
+    with pytest.raises(ValueError, match=r"missing \['model.new'\]"):
+        ckpt._check_metadata(md, keys | {"model.new"}, None, "checkpoint step_1")
+    with pytest.raises(ValueError, match="points at files the manifest does not list"):
+        ckpt._check_metadata(md, keys, {"other.distcp"}, "checkpoint step_1")
+    ckpt._check_metadata(md, keys, {"__0_0.distcp"}, "checkpoint step_1")
+
+
+def _with_extra(md, name):
+    import copy
+
+    md = copy.deepcopy(md)
+    md.state_dict_metadata[name] = next(iter(md.state_dict_metadata.values()))
+    return md
+
+
 # ----------------------------------------------------------------------------- resume decisions
 
 
 def _manifest_dir(root: Path, step: int, **overrides) -> None:
-    tmp = ckpt.begin(root, step, {"controller.json": {}})
-    ckpt.finalize(tmp, {"kind": "rl", "step": step, "model": MODEL, "env": None, **overrides})
+    tmp = ckpt.begin(root, step, {"controller.json": {}, ckpt.TRAINER_FILE: {}})
+    (tmp / ckpt.TRAINER_DIR).mkdir()
+    (tmp / ckpt.TRAINER_DIR / ".metadata").write_bytes(b"")
+    ckpt.finalize(tmp, {"kind": "rl", "step": step, "model": MODEL, "env": None, "shapes": {}, "layout": {},
+                        **overrides})
 
 
 def _resume(run_dir, resume, max_steps=10, model=MODEL, kind="rl", restart=0):
@@ -392,7 +565,7 @@ def _cuda_job(rank, world, mode, root):
     trainer = Trainer(model, OPTIM, device, dist.group.WORLD, meshes, compute_dtype=torch.bfloat16)
     group = dist.new_group(backend="gloo")
     saver = ckpt.TrainerCheckpointer(trainer, meshes, group, rank == 0, CheckpointConfig(),
-                                     {"kind": "rl", "layout": ckpt.layout_info(dims, world)})
+                                     {"kind": "rl", "model": MODEL, "layout": ckpt.layout_info(dims, world)})
     if mode == "save":
         batches = pack(make_samples(), SEQ_LEN, dims.num_data_ranks)
         trainer.rl_step(batches[dims.data_rank(rank)], count_loss_tokens(batches), LOSS, temperature=0.7)
