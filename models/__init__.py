@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import glm4_moe, llama3, qwen3, qwen3_moe
+from meshrl.models import glm4_moe, llama3, minimax_m2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=glm4_moe.FLAVORS,
         state_dict_adapter=glm4_moe.Glm4MoeStateDictAdapter,
         parallel_plan=glm4_moe.PARALLEL_PLAN,
+    ),
+    "minimax_m2": ModelFamily(
+        name="minimax_m2",
+        args_cls=minimax_m2.MiniMaxM2Args,
+        model_cls=minimax_m2.MiniMaxM2,
+        flavors=minimax_m2.FLAVORS,
+        state_dict_adapter=minimax_m2.MiniMaxM2StateDictAdapter,
+        parallel_plan=minimax_m2.PARALLEL_PLAN,
     ),
 }
 

@@ -132,6 +132,10 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: in
 def apply_compile(blocks: list[nn.Module]) -> None:
     """torch.compile every block. Layer ids are module ints: do not specialise (one graph for all)."""
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # MoE blocks read expert row counts on the host (the CPU expert loop's split, EP's all-to-all
+    # sizes): traced as unbacked ints instead of a graph break, which under activation
+    # checkpointing would run the whole block eagerly.
+    torch._dynamo.config.capture_scalar_outputs = True
     # Attention contexts cache their mask on the first layer's call (a Python side effect). Under
     # activation checkpointing dynamo would graph-break on it; replaying it in the recompute is
     # unnecessary (the cache is already filled), so let dynamo skip that replay.

@@ -1,5 +1,6 @@
 """Every native MoE family: one RL step of the real Trainer with expert parallelism (EP 2 over
-FSDP 2, activation checkpointing) equals the single-process (EP 1) step, on 2 gloo ranks.
+FSDP 2, full or selective activation checkpointing, with and without torch.compile) equals the
+single-process (EP 1) step, on 2 gloo ranks.
 
 Same harness as test_parallel_trainer.py: loss statistics and every updated parameter must match
 the reference within fp32 round-off, and the step must move every trainable parameter (frozen
@@ -23,7 +24,7 @@ from tests.family_checks import build_random
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, eps=1e-4)  # eps: see test_parallel_trainer.py
 LOSS = LossConfig(kl_coef=0.1)
 SEQ_LEN = 96
-FAMILIES = ["glm4_moe"]
+FAMILIES = ["glm4_moe", "minimax_m2"]
 
 
 def make_model(family: str):
@@ -50,20 +51,24 @@ def _step(model, family: str, group, meshes, num_data_ranks: int, data_rank: int
     return trainer.rl_step(batches[data_rank], count_loss_tokens(batches), LOSS, temperature=0.7)
 
 
-def _job(rank, world_size, family, ac, out):
+def _job(rank, world_size, family, ac, compile, out):
     dims = ParallelDims.resolve(world_size, dp_shard=world_size, ep=world_size)
     meshes = build_meshes(dims, list(range(world_size)), rank, "cpu")
-    model = parallelize(make_model(family), meshes, torch.float32, ac=ac)
+    model = parallelize(make_model(family), meshes, torch.float32, ac=ac, compile=compile)
     stats = _step(model, family, torch.distributed.group.WORLD, meshes, dims.num_data_ranks, dims.data_rank(rank))
     full = {k: v.clone() for k, v in full_tensors(model)}
     if rank == 0:
         torch.save({"params": full, "stats": stats}, out / "trainer.pt")
 
 
-@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("ac, compile", [
+    ("full", False),
+    ("selective", False),
+    pytest.param("selective", True, marks=pytest.mark.slow),  # ~2.5 min: both ranks compile with inductor
+], ids=["full-ac", "selective-ac", "selective-ac-compile"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_expert_parallel_step_equals_single_process(tmp_path, family, ac):
-    run_ranks(_job, 2, family, ac, tmp_path)
+def test_expert_parallel_step_equals_single_process(tmp_path, family, ac, compile):
+    run_ranks(_job, 2, family, ac, compile, tmp_path)
     got = torch.load(tmp_path / "trainer.pt")
     model = make_model(family)
     init = {k: p.detach().clone() for k, p in model.named_parameters()}

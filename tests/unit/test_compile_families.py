@@ -1,9 +1,10 @@
 """torch.compile per block, under selective activation checkpointing, for every native MoE family:
 compiled logprobs and gradients equal eager (one process, FSDP2 over a gloo world of one).
 
-On CPU the experts run as a loop over `counts.tolist()` (a data-dependent split: the one graph
-break allowed here); on CUDA in bf16 they are one grouped GEMM without it. ~20 s per family on a
-2-core CPU (inductor compiles C++); skipped without a C++ compiler.
+On CPU the experts run as a loop over `counts.tolist()`, a data-dependent split that dynamo
+traces as unbacked ints (parallel/parallelize.py sets capture_scalar_outputs): no graph break,
+which under activation checkpointing would have run every MoE block eagerly. ~40 s per family on
+a 2-core CPU (inductor compiles C++); skipped without a C++ compiler.
 """
 
 import os
@@ -21,7 +22,7 @@ from meshrl.runtime.train.logprob_head import LogprobHead
 from tests.dist.multirank import free_port
 from tests.family_checks import build_random
 
-FAMILIES = ["glm4_moe"]
+FAMILIES = ["glm4_moe", "minimax_m2"]
 
 
 def _run(family: str, compile: bool):
@@ -53,7 +54,7 @@ def test_compiled_moe_blocks_match_eager(family):
         eager, eager_grads = _run(family, compile=False)
         compiled, compiled_grads = _run(family, compile=True)
         breaks = dict(counters["graph_break"])
-        assert all("_local_scalar_dense" in reason for reason in breaks), breaks  # only the CPU expert loop
+        assert not breaks, breaks
         assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"].get("fxgraph_cache_hit", 0) > 0
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
