@@ -204,6 +204,17 @@ class InferenceConfig(Base):
     """Ranks per engine replica (native engine, dense qwen3 / llama models): each of the N ranks holds
     1/N of every attention and FFN matrix (docs/parallelism.md). layout.num_inference_ranks must be a
     multiple, and N must divide the model's attention heads, kv heads and FFN width."""
+    gpu_memory_fraction: float = Field(0.3, gt=0, lt=1)
+    """Colocated layout, native engine: the share of the GPU's total memory the engine's KV cache may
+    take (the trainer gets what the engine's weights and cache leave); ignored when kv_cache_gib is set.
+    A split-layout engine has its GPU to itself and uses kv_cache_memory_fraction instead."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """Native engine: a fixed KV-cache budget in GiB (at most what max_num_seqs full-length sequences
+    need), instead of a fraction of the GPU's memory."""
+    sleep_while_training: bool = False
+    """Colocated layout, synchronous RL only (max_off_policy_steps = 0), native engine: the engine frees
+    its KV cache and CUDA graphs while the trainer steps and takes them back for the next rollouts, so
+    the trainer can use that memory (small GPUs)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 
@@ -313,6 +324,16 @@ class LayoutConfig(Base):
     """Ranks of the trainer sub-mesh."""
     num_inference_ranks: int = Field(1, ge=1)
     """Ranks of the inference sub-mesh (one engine replica per inference.tensor_parallel ranks)."""
+    colocate: bool | Literal["auto"] = "auto"
+    """true: every trainer rank shares its device with one engine (N GPUs hold N trainer ranks and
+    N engines; num_inference_ranks = num_trainer_ranks, inference.tensor_parallel = 1), and weights
+    reach the engine through memory both processes map instead of a broadcast. false: one device per
+    rank (the split layout). "auto": colocate when a one-node GPU job needs more GPUs than the node
+    has (the launcher says so in one line); otherwise split. docs/architecture.md."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Colocated layout: use at most this much of each GPU, as a smaller card would have (to try a
+    small-GPU setup on a big one): the engine process is capped at its weights + KV cache + 1 GiB,
+    the trainer process at the rest (torch.cuda.set_per_process_memory_fraction)."""
 
     @property
     def world_size(self) -> int:
@@ -462,6 +483,7 @@ class RLConfig(Base):
             raise ValueError(f"layout.num_inference_ranks ({self.layout.num_inference_ranks}) must be a multiple of "
                              f"inference.tensor_parallel ({self.inference.tensor_parallel}): one engine replica "
                              "per tensor_parallel ranks")
+        check_colocation(self)
         if self.trainer.micro_batch_tokens < self.inference.max_model_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must be >= "
@@ -473,6 +495,34 @@ class RLConfig(Base):
     def world_size(self) -> int:
         """Processes the job needs."""
         return self.layout.world_size
+
+
+def check_colocation(cfg: "RLConfig") -> None:
+    """The settings a colocated layout needs (layout.colocate = true; "auto" is checked where the GPU
+    count is known, runtime/layout.py) and the settings that need one."""
+    lay, inf = cfg.layout, cfg.inference
+    if lay.colocate is True:
+        if lay.num_inference_ranks != lay.num_trainer_ranks:
+            raise ValueError(f"layout.num_inference_ranks ({lay.num_inference_ranks}) must equal "
+                             f"layout.num_trainer_ranks ({lay.num_trainer_ranks}) with layout.colocate = true: "
+                             "every trainer rank shares its GPU with one engine")
+        if inf.tensor_parallel != 1:
+            raise ValueError(f"inference.tensor_parallel ({inf.tensor_parallel}) must be 1 with layout.colocate = "
+                             "true: a colocated engine lives on its trainer's one GPU")
+    if lay.colocate is True and inf.backend != "native":
+        raise ValueError('layout.colocate = true needs inference.backend = "native": a colocated vLLM engine '
+                         "is not built yet (docs/inference.md)")
+    if lay.gpu_memory_gib is not None and lay.colocate is False:
+        raise ValueError("layout.gpu_memory_gib applies to a colocated layout (layout.colocate = true or \"auto\")")
+    if inf.sleep_while_training:
+        if cfg.max_off_policy_steps != 0:
+            raise ValueError(f"inference.sleep_while_training needs max_off_policy_steps = 0 (got "
+                             f"{cfg.max_off_policy_steps}): an asynchronous engine generates while the trainer steps")
+        if inf.backend != "native":
+            raise ValueError('inference.sleep_while_training needs inference.backend = "native"')
+        if lay.colocate is False:
+            raise ValueError("inference.sleep_while_training needs a colocated layout (layout.colocate = true or "
+                             '"auto"): a split-layout engine has its GPU to itself')
 
 
 class SFTConfig(Base):

@@ -23,6 +23,11 @@ Process groups (every rank creates all of them, in the same order, as torch requ
 - `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
   that a receiving thread and a sending thread never share a group.
 
+Colocated layout (`resolve_colocation`): trainer k and inference rank k share device k (local
+ranks k and N + k of the node; the controller is local rank 2N, on the CPU). There is no `sync`
+group (NCCL refuses two ranks of one communicator on one device); instead each pair gets two gloo
+groups, `to_peer` / `from_peer` as seen from each side, for runtime/weight_sync.py's colocated path.
+
 torch has no DeviceMesh over an uneven split of one world, so `Layout` holds the two
 sub-meshes side by side; their ranks are global ranks of the one job.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +57,14 @@ class Roles:
     trainers: tuple[int, ...]
     inference: tuple[int, ...]
     tensor_parallel: int = 1
+    colocated: bool = False
+
+    def peer_of(self, rank: int) -> int:
+        """Colocated layout: the rank sharing `rank`'s device (trainer k <-> inference rank k)."""
+        assert self.colocated, "only a colocated layout pairs ranks"
+        if rank in self.trainers:
+            return self.inference[self.trainers.index(rank)]
+        return self.trainers[self.inference.index(rank)]
 
     @property
     def replicas(self) -> tuple[tuple[int, ...], ...]:
@@ -78,7 +92,7 @@ class Roles:
 
 
 def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: int, controller: int = -1,
-                 tensor_parallel: int = 1) -> Roles:
+                 tensor_parallel: int = 1, colocated: bool = False) -> Roles:
     """Split `world_size` ranks into one controller, trainers, then inference ranks.
 
     `controller` is the global rank chosen as controller (-1 = the last rank). Trainers are the
@@ -102,6 +116,7 @@ def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: i
         trainers=tuple(others[:num_trainer_ranks]),
         inference=tuple(others[num_trainer_ranks:]),
         tensor_parallel=tensor_parallel,
+        colocated=colocated,
     )
 
 
@@ -112,12 +127,40 @@ def use_cuda(requested: str) -> bool:
     return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
 
 
-def pick_device(cuda: bool) -> torch.device:
+def resolve_colocation(colocate: bool | str, num_trainer_ranks: int, num_inference_ranks: int,
+                       tensor_parallel: int, cuda: bool) -> bool:
+    """Whether the job runs colocated: layout.colocate as set, or for "auto" on a one-node GPU job,
+    whether the split layout needs more GPUs than the node has (equal on every rank of the node).
+    ValueError when "auto" would have to colocate a layout that cannot be."""
+    if colocate != "auto":
+        return bool(colocate)
+    world, local_world = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if not cuda or (world is not None and world != local_world):  # CPU, or several nodes: set it explicitly
+        return False
+    gpus, needed = torch.cuda.device_count(), num_trainer_ranks + num_inference_ranks
+    if needed <= gpus:
+        return False
+    if num_inference_ranks != num_trainer_ranks or tensor_parallel != 1:
+        raise ValueError(f"layout: {num_trainer_ranks} trainer + {num_inference_ranks} inference ranks need {needed} "
+                         f"GPUs, this node has {gpus}; sharing them (layout.colocate) needs num_inference_ranks = "
+                         "num_trainer_ranks and inference.tensor_parallel = 1")
+    return True
+
+
+def pick_device(cuda: bool, colocated_pairs: int | None = None) -> torch.device:
     """This process's device before roles are known: the GPU of its local rank, or the CPU.
 
-    A process past the node's GPUs gets the CPU (it will volunteer as the controller).
+    A process past the node's GPUs gets the CPU (it will volunteer as the controller). In a
+    colocated layout of N pairs, local ranks k and N + k share GPU k, and local rank 2N is the CPU.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda and colocated_pairs is not None:
+        if colocated_pairs > torch.cuda.device_count():
+            raise ValueError(f"layout: a colocated layout of {colocated_pairs} trainer ranks needs {colocated_pairs} "
+                             f"GPUs, this node has {torch.cuda.device_count()}")
+        if local_rank >= 2 * colocated_pairs:
+            return torch.device("cpu")
+        local_rank %= colocated_pairs
     if not cuda or local_rank >= torch.cuda.device_count():
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
@@ -179,6 +222,8 @@ class Layout:
     inference_mesh: DeviceMesh | None = None
     tp_group: dist.ProcessGroup | None = None
     tp_control: dist.ProcessGroup | None = None
+    to_peer: dist.ProcessGroup | None = None  # colocated layout: this rank -> the rank on its device
+    from_peer: dist.ProcessGroup | None = None  # and back
     down: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     up: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
@@ -189,6 +234,11 @@ class Layout:
     @property
     def is_trainer_leader(self) -> bool:
         return self.rank == self.roles.trainers[0]
+
+    @property
+    def peer(self) -> int:
+        """Colocated layout: the rank sharing this rank's device."""
+        return self.roles.peer_of(self.rank)
 
     @property
     def is_replica_leader(self) -> bool:
@@ -212,7 +262,12 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
     trainer_group = dist.new_group(list(roles.trainers), timeout=timeout)
     inference_group = dist.new_group(list(roles.inference), timeout=timeout)
     sync_backend = "nccl" if cuda else "gloo"
-    sync_group = dist.new_group([roles.trainers[0], *roles.inference], timeout=timeout, backend=sync_backend)
+    sync_group = None
+    if roles.colocated:
+        _check_colocated_devices(roles, rank, device)
+        _build_colocated_pairs(lay, timeout)
+    else:
+        sync_group = dist.new_group([roles.trainers[0], *roles.inference], timeout=timeout, backend=sync_backend)
     for r in (*roles.trainers, *roles.inference):
         lay.down[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
         lay.up[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
@@ -237,6 +292,32 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
         lay.down = {rank: lay.down[rank]}
         lay.up = {rank: lay.up[rank]}
     return lay
+
+
+def _check_colocated_devices(roles: Roles, rank: int, device: torch.device) -> None:
+    """Every (trainer k, inference k) pair is on one device of one host (an all-gather of each
+    rank's host and device index), or ValueError naming the pairs that are not."""
+    host = zlib.crc32(os.uname().nodename.encode())  # stable across processes, unlike hash()
+    me = torch.tensor([host, -1 if device.type == "cpu" else device.index], dtype=torch.int64)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(roles.world_size)]
+    dist.all_gather(gathered, me)
+    where = [tuple(t.tolist()) for t in gathered]
+    apart = [(t, i) for t, i in zip(roles.trainers, roles.inference) if where[t] != where[i]]
+    if apart:
+        raise ValueError(f"layout.colocate: trainer/inference pairs {apart} are not on one device of one host "
+                         "(colocation runs on one node: local ranks k and N + k share GPU k)")
+
+
+def _build_colocated_pairs(lay: Layout, timeout: datetime.timedelta) -> None:
+    """Two gloo groups per (trainer k, inference k) pair, one per direction (every rank, same order)."""
+    roles = lay.roles
+    for t, i in zip(roles.trainers, roles.inference):
+        trainer_to_engine = dist.new_group([t, i], timeout=timeout, backend="gloo")
+        engine_to_trainer = dist.new_group([t, i], timeout=timeout, backend="gloo")
+        if lay.rank == t:
+            lay.to_peer, lay.from_peer = trainer_to_engine, engine_to_trainer
+        elif lay.rank == i:
+            lay.to_peer, lay.from_peer = engine_to_trainer, trainer_to_engine
 
 
 def _build_tensor_parallel(lay: Layout, timeout: datetime.timedelta, idle: datetime.timedelta,

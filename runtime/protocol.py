@@ -15,6 +15,14 @@ builds the message and, where the payload is more than a few numbers, one that r
     any rank   -> controller  DONE          the rank's last message
     controller -> itself      EPISODE       an environment call finished (never on the wire)
 
+Colocated layout only (runtime/weight_sync.py: `ColocatedSender`, `ColocatedReceiver`):
+
+    controller -> inference   SLEEP         free the KV cache while the trainer steps (sync mode)
+    inference  -> controller  ASLEEP        done: the trainer may use that memory
+    trainer k  -> engine k    STAGING       once: where the shared weight buffer is (then raw
+                                            int64 "version v is written" / "v is copied" signals
+                                            on the pair's own groups)
+
 Why WEIGHTS comes before the broadcast: the inference ranks must be told to join it, and only
 the controller talks to them (runtime/rollout/controller.py). Weights themselves never travel
 as messages: runtime/weight_sync.py broadcasts them on the sync group.
@@ -48,6 +56,9 @@ class Kind(StrEnum):
     REPORT = "report"
     DONE = "done"
     EPISODE = "episode"
+    SLEEP = "sleep"
+    ASLEEP = "asleep"
+    STAGING = "staging"
 
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
@@ -125,6 +136,20 @@ def checkpoint(step: int, path: str | None = None, export: str | None = None) ->
 
 def stop() -> Message:
     return Message(Kind.STOP)
+
+
+def sleep() -> Message:
+    return Message(Kind.SLEEP)
+
+
+def asleep(freed_bytes: int) -> Message:
+    return Message(Kind.ASLEEP, {"freed_bytes": freed_bytes})
+
+
+def staging(descriptor: dict[str, Any], version: int) -> Message:
+    """Trainer k -> its colocated engine: the shared buffer (`weight_sync.SharedBuffer` descriptor,
+    JSON-safe) and the version already written into it."""
+    return Message(Kind.STAGING, {"buffer": descriptor, "version": version})
 
 
 # ---------------------------------------------------------------- ranks -> controller

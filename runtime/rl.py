@@ -20,11 +20,12 @@ import torch.distributed as dist
 from meshrl.envs import make_env
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import launch as launching
+from meshrl.runtime import memory
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.engine.build import check_tensor_parallel_model
 from meshrl.runtime.engine.loop import run_inference
 from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
-                                   pick_device, use_cuda)
+                                   pick_device, resolve_colocation, use_cuda)
 from meshrl.runtime.policy import check_model_source, load_tokenizer_for
 from meshrl.runtime.rollout.controller import Controller
 from meshrl.runtime.rundir import MetricsWriter, log, record_restart, restart_count, setup_logging, write_config
@@ -40,11 +41,21 @@ def preflight(cfg: RLConfig) -> None:
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "rl")
-    if use_cuda(cfg.dist.device):
-        gpus = cfg.layout.num_trainer_ranks + cfg.layout.num_inference_ranks
-        if "WORLD_SIZE" not in os.environ and gpus > torch.cuda.device_count():
-            raise ValueError(f"layout: {gpus} trainer + inference ranks need {gpus} GPUs, this node has "
-                             f"{torch.cuda.device_count()}")
+    cuda = use_cuda(cfg.dist.device)
+    lay = cfg.layout
+    colocated = resolve_colocation(lay.colocate, lay.num_trainer_ranks, lay.num_inference_ranks,
+                                   cfg.inference.tensor_parallel, cuda)
+    if cuda and "WORLD_SIZE" not in os.environ:  # the launcher, on the node the job runs on
+        gpus = lay.num_trainer_ranks if colocated else lay.num_trainer_ranks + lay.num_inference_ranks
+        if gpus > torch.cuda.device_count():
+            what = "colocated trainer ranks (each with its engine)" if colocated else "trainer + inference ranks"
+            raise ValueError(f"layout: {gpus} {what} need {gpus} GPUs, this node has {torch.cuda.device_count()}")
+        if colocated and lay.colocate == "auto":
+            print(f"meshrl: layout.colocate = auto: {lay.num_trainer_ranks} trainer rank(s) share the node's "
+                  f"{torch.cuda.device_count()} GPU(s) with {lay.num_inference_ranks} engine(s) (colocated layout)",
+                  file=sys.stderr)
+    if colocated and cuda:
+        memory.check(cfg)
 
 
 def launch(cfg: RLConfig) -> int:
@@ -63,16 +74,19 @@ def main(argv: list[str] | None = None) -> None:
 def run_rank(cfg: RLConfig, run_dir: Path) -> None:
     """Start the process group, agree on roles, build the layout, run this rank's role."""
     cuda = use_cuda(cfg.dist.device)
-    device = pick_device(cuda)
+    lay = cfg.layout
+    colocated = resolve_colocation(lay.colocate, lay.num_trainer_ranks, lay.num_inference_ranks,
+                                   cfg.inference.tensor_parallel, cuda)
+    device = pick_device(cuda, lay.num_trainer_ranks if colocated else None)
     rank, world = init_world(cuda, cfg.dist.timeout_s)
-    roles = assign_roles(world, cfg.layout.num_trainer_ranks, cfg.layout.num_inference_ranks, find_controller(device),
-                         cfg.inference.tensor_parallel)
+    roles = assign_roles(world, lay.num_trainer_ranks, lay.num_inference_ranks, find_controller(device),
+                         cfg.inference.tensor_parallel, colocated)
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
     layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda,
                           cfg.trainer.parallel.dims(cfg.layout.num_trainer_ranks))
-    log.info("pid %d; roles: controller %d, trainers %s, inference %s; device %s", os.getpid(), roles.controller,
-             roles.trainers, roles.inference, layout.device)
+    log.info("pid %d; roles: controller %d, trainers %s, inference %s%s; device %s", os.getpid(), roles.controller,
+             roles.trainers, roles.inference, " (colocated in pairs)" if colocated else "", layout.device)
     # checkpoint collectives run in a background thread: a gloo group of their own (all ranks create it)
     ckpt_group = dist.new_group(list(roles.trainers), backend="gloo",
                                 timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))

@@ -22,9 +22,17 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 CHARACTERS = "".join(c for c in string.printable if c not in "\x0b\x0c\r")
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """The char-level tokenizer with ``pad_token``, ``eos_token`` and ``bos_token`` set."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """The char-level tokenizer with ``pad_token``, ``eos_token`` and ``bos_token`` set.
+
+    `vocab_size`: pad the vocabulary with ``<extra_i>`` tokens (never produced by encoding) up to
+    this size, so that a model of a real shape keeps its real vocabulary (benchmarks)."""
+    tokens = SPECIAL_TOKENS + tuple(CHARACTERS)
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size must be >= {len(tokens)}, got {vocab_size}")
+        tokens += tuple(f"<extra_{i}>" for i in range(vocab_size - len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
     # BPE with no merges maps each character to its own token, and with no normaliser and
     # no pre-tokeniser nothing (spaces, newlines) is merged, split off or rewritten.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -14,11 +14,33 @@ Tensor-parallel inference ranks (parallel/tensor_parallel.py) receive the same f
 copy only their slice of each sharded parameter: the plan is made of full shapes on both sides
 (`tensor_parallel.full_shape`), and `tensor_parallel.local_slice` picks the rank's rows or
 columns out of the received tensor. The trainer does not know how the engines are split.
+
+Colocated layout (layout.colocate): trainer rank k and engine k share one device, and NCCL
+refuses two ranks of one communicator on one device, so nothing is broadcast. Trainer k keeps
+one flat buffer of the whole model in the inference dtype that both processes map
+(`SharedBuffer`: CUDA IPC on a GPU, a shared memory file on the CPU):
+
+    trainer k:  wait "v-1 copied" -> write every full tensor into the buffer -> sync the device
+                -> "v written"                                    (`ColocatedSender.send`)
+    engine k:   on LOAD_WEIGHTS v, between two engine steps: wait "v written" -> one copy of the
+                buffer into its parameters (laid out as views of one flat tensor in the same
+                order) -> "v copied"                              (`ColocatedReceiver.receive`)
+
+The buffer is never rewritten before the engine has copied the last version, and the engine
+never copies before the version is whole, so it never sees a half-written version; tokens record
+exact versions as in the split layout. The signals are int64 tensors on two gloo pair groups
+(one per direction); the buffer's handle travels once, in a STAGING message (runtime/protocol.py).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
+import os
+import tempfile
+import uuid
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +48,8 @@ from torch import nn
 
 from meshrl.parallel import full_tensors
 from meshrl.parallel.tensor_parallel import full_shape, local_slice
+from meshrl.runtime import protocol, transport
+from meshrl.runtime.protocol import Kind
 
 
 def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket_mb: float) -> list[list[int]]:
@@ -99,3 +123,162 @@ def receive_weights(model: nn.Module, group: dist.ProcessGroup, src: int, dtype:
             size = math.prod(shape)
             params[i].copy_(local_slice(model, name, flat[offset:offset + size].view(shape)))
             offset += size
+
+
+# ----------------------------------------------------------------------------- colocated layout
+
+
+def flat_plan(model: nn.Module) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+    """[(offset, full shape)] of every parameter in `named_parameters` order, and the total numel:
+    where each parameter lives in the flat buffer (the same on the trainer and the engine)."""
+    entries, offset = [], 0
+    for _, shape in _shapes(model):
+        entries.append((offset, shape))
+        offset += math.prod(shape)
+    return entries, offset
+
+
+def _fingerprint(entries: list[tuple[int, tuple[int, ...]]], dtype: torch.dtype) -> str:
+    # shapes and order only: the trainer's names carry wrapper prefixes (activation checkpointing,
+    # compile) that the engine's model does not
+    return hashlib.sha256(repr((str(dtype), [shape for _, shape in entries])).encode()).hexdigest()[:16]
+
+
+class SharedBuffer:
+    """A flat tensor two processes on one device map: created by the trainer, opened by its engine.
+
+    The descriptor is JSON-safe (it travels in a message header, never pickled): on CUDA the IPC
+    handle of the buffer's storage, on the CPU the path of a file in /dev/shm (the trainer deletes
+    it once the engine has mapped it; the mappings stay valid).
+    """
+
+    @staticmethod
+    def create(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+        if device.type == "cuda":
+            tensor = torch.empty(numel, dtype=dtype, device=device)
+            handle = tensor.untyped_storage()._share_cuda_()
+            fields = [base64.b64encode(x).decode() if isinstance(x, bytes) else x for x in handle]
+            kinds = ["b" if isinstance(x, bytes) else "v" for x in handle]
+            return tensor, {"kind": "cuda_ipc", "handle": fields, "types": kinds, "numel": numel, "dtype": str(dtype)}
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(folder, f"meshrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        return tensor, {"kind": "file", "path": path, "numel": numel, "dtype": str(dtype)}
+
+    @staticmethod
+    def open(descriptor: dict[str, Any], device: torch.device) -> torch.Tensor:
+        dtype = getattr(torch, descriptor["dtype"].removeprefix("torch."))
+        numel = descriptor["numel"]
+        if descriptor["kind"] == "cuda_ipc":
+            if device.type != "cuda":
+                raise ValueError(f"a colocated engine on {device} cannot open its trainer's CUDA buffer")
+            handle = [base64.b64decode(x) if kind == "b" else x
+                      for x, kind in zip(descriptor["handle"], descriptor["types"])]
+            storage = torch.UntypedStorage._new_shared_cuda(*handle)
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
+        return torch.from_file(descriptor["path"], shared=True, size=numel, dtype=dtype)
+
+    @staticmethod
+    def unlink(descriptor: dict[str, Any]) -> None:
+        """Remove the buffer's name (CPU file); the processes' mappings stay valid."""
+        if descriptor["kind"] == "file" and os.path.exists(descriptor["path"]):
+            os.unlink(descriptor["path"])
+
+
+class ColocatedSender:
+    """Trainer rank k's side of the colocated weight path (module docstring). Every trainer rank
+    has one; `send` is a collective over the trainer mesh (full-tensor gathers)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, peer: int,
+                 to_peer: dist.ProcessGroup, from_peer: dist.ProcessGroup) -> None:
+        self.entries, numel = flat_plan(model)
+        self.buffer, self.descriptor = SharedBuffer.create(numel, dtype, device)
+        self.descriptor["fingerprint"] = _fingerprint(self.entries, dtype)
+        self.device, self.peer, self.to_peer, self.from_peer = device, peer, to_peer, from_peer
+        self.pending: int | None = None  # the version written that the engine has not copied yet
+        self._signal: dist.Work | None = None
+        self._announced = False
+
+    @torch.no_grad()
+    def send(self, model: nn.Module, version: int) -> None:
+        if self.pending is not None:
+            self._wait_copied()
+        buffer = self.buffer
+        for (offset, shape), (_, tensor) in zip(self.entries, full_tensors(model), strict=True):
+            buffer[offset:offset + math.prod(shape)].view(shape).copy_(tensor)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if not self._announced:  # the engine waits for it while it starts
+            transport.send(protocol.staging(self.descriptor, version), self.peer, self.to_peer)
+            self._announced = True
+        else:
+            self._signal = dist.isend(torch.tensor([version], dtype=torch.int64), self.peer, group=self.to_peer)
+        self.pending = version
+
+    def _wait_copied(self) -> None:
+        got = torch.zeros(1, dtype=torch.int64)
+        dist.recv(got, self.peer, group=self.from_peer)
+        assert int(got) == self.pending, f"engine copied version {int(got)}, expected {self.pending}"
+        if self._signal is not None:
+            self._signal.wait()
+            self._signal = None
+        SharedBuffer.unlink(self.descriptor)  # mapped by the engine by now
+        self.pending = None
+
+    def close(self) -> None:
+        SharedBuffer.unlink(self.descriptor)
+
+
+class ColocatedReceiver:
+    """Engine k's side: its model's parameters become views of one flat tensor laid out like the
+    trainer's buffer, so loading a version is one device copy."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, peer: int,
+                 to_peer: dist.ProcessGroup, from_peer: dist.ProcessGroup) -> None:
+        self.entries, numel = flat_plan(model)
+        self.flat = torch.empty(numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for (offset, shape), param in zip(self.entries, model.parameters(), strict=True):
+                view = self.flat[offset:offset + math.prod(shape)].view(shape)
+                view.copy_(param.detach())
+                param.data = view
+        self.fingerprint = _fingerprint(self.entries, dtype)
+        self.device, self.peer, self.to_peer, self.from_peer = device, peer, to_peer, from_peer
+        self.buffer: torch.Tensor | None = None
+        self._signal: dist.Work | None = None
+
+    def receive_first(self) -> int:
+        """Map the trainer's buffer (its STAGING message) and copy the version it holds; returns it."""
+        msg = transport.recv(self.peer, self.from_peer)
+        assert msg.kind == Kind.STAGING, msg.kind
+        descriptor = msg.meta["buffer"]
+        if descriptor["fingerprint"] != self.fingerprint:
+            raise RuntimeError("the trainer's weight buffer is laid out for another model (parameter shapes or "
+                               "dtype differ from the engine's)")
+        self.buffer = SharedBuffer.open(descriptor, self.device)
+        self._copy(msg.meta["version"])
+        return msg.meta["version"]
+
+    def receive(self, version: int) -> None:
+        """Wait until the trainer has written `version`, then copy it (between two engine steps)."""
+        got = torch.zeros(1, dtype=torch.int64)
+        dist.recv(got, self.peer, group=self.from_peer)
+        if int(got) != version:
+            raise RuntimeError(f"the trainer wrote weights v{int(got)} but the controller asked for v{version}")
+        self._copy(version)
+
+    @torch.no_grad()
+    def _copy(self, version: int) -> None:
+        self.flat.copy_(self.buffer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # copied before the trainer may write again
+        if self._signal is not None:
+            self._signal.wait()
+        self._signal = dist.isend(torch.tensor([version], dtype=torch.int64), self.peer, group=self.to_peer)
+
+    def close(self) -> None:
+        """Unmap the trainer's buffer (before the trainer exits). The last "copied" signal is not
+        waited for: a stopping trainer never asks for it."""
+        self.buffer = None
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()

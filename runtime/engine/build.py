@@ -18,21 +18,27 @@ from meshrl.runtime.policy import build_policy, policy_skeleton
 
 
 def build_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                 tp_group: torch.distributed.ProcessGroup | None = None) -> InferenceEngine:
-    """The engine of one inference rank; its weights are placeholders until the first weight sync."""
+                 tp_group: torch.distributed.ProcessGroup | None = None,
+                 kv_cache_bytes: int | None = None) -> InferenceEngine:
+    """The engine of one inference rank; its weights are placeholders until the first weight sync.
+    `kv_cache_bytes`: a colocated engine's KV-cache budget (runtime/memory.py)."""
     if inf.backend == "vllm":
         from meshrl.runtime.engine.vllm_engine import build_vllm_engine
 
         return build_vllm_engine(inf, model_cfg, device, dtype, seed=seed)
-    return build_native_engine(inf, model_cfg, device, dtype, seed, tp_group)
+    return build_native_engine(inf, model_cfg, device, dtype, seed, tp_group, kv_cache_bytes=kv_cache_bytes)
 
 
 def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                         seed: int, tp_group: torch.distributed.ProcessGroup | None = None,
-                        model: torch.nn.Module | None = None) -> NativeEngine:
+                        model: torch.nn.Module | None = None, kv_cache_bytes: int | None = None) -> NativeEngine:
     """The native engine over `model` (default: the policy `model_cfg` names, loaded or initialised);
     with `tp_group`, over this rank's shard of it, whose values are placeholders until the trainer's
-    first weight broadcast (which every inference rank receives before serving anything)."""
+    first weight broadcast (which every inference rank receives before serving anything).
+    `kv_cache_bytes`: the KV-cache budget (default: inference.kv_cache_gib, else the fraction of
+    free memory)."""
+    if kv_cache_bytes is None and inf.kv_cache_gib is not None:
+        kv_cache_bytes = int(inf.kv_cache_gib * 2**30)
     if model is None and tp_group is None:
         model, _ = build_policy(model_cfg, device, dtype)
     elif model is None:
@@ -42,7 +48,7 @@ def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: to
         model.init_weights(seed=model_cfg.init_seed)  # finite values for the engine's probe forward
     return NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
                         dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
-                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction,
+                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes,
                         max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
                         cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
                         seed=seed, tp_group=tp_group)

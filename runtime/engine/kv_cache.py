@@ -255,6 +255,25 @@ class KVCache:
             s = torch.tensor(src, device=k.device)
             d = torch.tensor(dst, device=k.device)
             if self.data is not None:
+    def release(self) -> int:
+        """Free the storage (a sleeping engine: runtime/engine/native.py `sleep`); returns the bytes
+        freed. `restore` allocates it again, zeroed."""
+        tensors = {name: getattr(self, name) for name in (("data",) if self.data is not None else ("_k", "_v"))}
+        self._released = {name: (tuple(t.shape), t.dtype, t.device) for name, t in tensors.items()}
+        for name, t in tensors.items():
+            setattr(self, name, t.new_empty(0))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` freed the storage and `restore` has not allocated it again."""
+        return bool(getattr(self, "_released", None))
+
+    def restore(self) -> None:
+        for name, (shape, dtype, device) in self._released.items():
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        self._released = {}
+
                 self.data[:, :, :, d] = self.data[:, :, :, s]
             else:
                 for t in (self._k, self._v):

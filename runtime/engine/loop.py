@@ -7,6 +7,11 @@ each token records its version), `stop` aborts what is left and ends. Finished r
 back to the controller in one message per engine step. When the engine is idle the rank
 blocks on its inbox instead of spinning.
 
+Colocated layout: `load_weights v` copies version v out of the buffer this rank's trainer shares
+with it (runtime/weight_sync.py, `ColocatedReceiver`) instead of joining a broadcast. With
+inference.sleep_while_training, `sleep` frees the KV cache and CUDA graphs while the trainer
+steps (answered by `asleep`), and the next `load_weights` or `generate` takes them back.
+
 Tensor parallel replicas (inference.tensor_parallel = N > 1). The N ranks each hold a shard of
 the model (parallel/tensor_parallel.py) and run the same scheduler, so they must apply the same
 messages between the same engine steps (the lockstep contract): otherwise one rank would run a
@@ -26,7 +31,7 @@ import time
 
 import torch
 
-from meshrl.runtime import protocol, transport, weight_sync
+from meshrl.runtime import memory, protocol, transport, weight_sync
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.engine.api import InferenceEngine, Request
 from meshrl.runtime.engine.build import build_engine
@@ -41,45 +46,102 @@ from meshrl.runtime.transport import Message
 def run_inference(cfg: RLConfig, layout: Layout, start_version: int = 0) -> None:
     """Serve the controller until `stop`. `start_version`: the version of the first weights the
     trainer sends (a resumed run's checkpoint step)."""
-    device = layout.device
-    dtype = compute_dtype(cfg.model, device)
-    engine = build_engine(cfg.inference, cfg.model, device, dtype, cfg.seed, layout.tp_group)
-    controller = layout.roles.controller
-    inbox = transport.Inbox(last_kinds=(Kind.STOP,))
-    inbox.listen(controller, layout.down[layout.rank], "controller")  # before the first sync: never block the controller
-    src = layout.roles.trainers[0]
-    beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
-    _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
-    if start_version:
-        engine.set_version(start_version)
-    log.info("received initial weights (v%d)", start_version)
-    up = layout.up[layout.rank]
-    reports = layout.is_replica_leader  # a tensor-parallel replica speaks through its first rank
-    generated = 0
-    while True:
-        messages = _next_messages(engine, inbox, layout, beat, cfg.dist.timeout_s, generated)
-        for msg in messages:
-            if msg.kind == Kind.GENERATE:
-                for r in protocol.read_generate(msg):
-                    engine.add(Request(r.request_id, r.prompt_ids, SamplingParams(**r.sampling)))
-            elif msg.kind == Kind.LOAD_WEIGHTS:
-                beat.set(f"receiving weights v{msg.meta['version']}")
-                start = time.perf_counter()
-                _receive_weights(engine, cfg, layout.sync_group, src, dtype, device)
-                engine.set_version(msg.meta["version"])
-                log.info("loaded weights v%d in %.3fs", engine.version, time.perf_counter() - start)
-            elif msg.kind == Kind.STOP:
-                beat.close()
-                _stop(engine, controller, up)
-                return
-            else:
-                raise RuntimeError(f"inference rank got an unexpected message {msg.kind!r}")
-        if engine.has_work():
-            beat.set(f"engine step with weights v{engine.version}")
-            done = engine.step()
-            if done and reports:
-                generated += sum(len(c.token_ids) for c in done)
-                transport.send(protocol.completions(done), controller, up)
+    InferenceRank(cfg, layout, start_version).run()
+
+
+class InferenceRank:
+    """One inference rank's engine and channels in an RL job."""
+
+    def __init__(self, cfg: RLConfig, layout: Layout, start_version: int) -> None:
+        self.cfg, self.layout = cfg, layout
+        device = layout.device
+        self.dtype = compute_dtype(cfg.model, device)
+        colocated = layout.roles.colocated
+        memory.cap_process(cfg, "inference", device)
+        kv_bytes = memory.kv_budget(cfg, memory.device_bytes(cfg)) if colocated and device.type == "cuda" else None
+        self.engine = build_engine(cfg.inference, cfg.model, device, self.dtype, cfg.seed, layout.tp_group, kv_bytes)
+        self.colocated = (weight_sync.ColocatedReceiver(self.engine.model, self.dtype, device, layout.peer,
+                                                        layout.to_peer, layout.from_peer) if colocated else None)
+        self.controller = layout.roles.controller
+        self.inbox = transport.Inbox(last_kinds=(Kind.STOP,))
+        # before the first sync: never block the controller
+        self.inbox.listen(self.controller, layout.down[layout.rank], "controller")
+        self.up = layout.up[layout.rank]
+        self.beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
+        self.start_version = start_version
+        self.generated = 0
+
+    def run(self) -> None:
+        engine, layout = self.engine, self.layout
+        self._receive(None)
+        if self.start_version:
+            engine.set_version(self.start_version)
+        log.info("received initial weights (v%d)", self.start_version)
+        reports = layout.is_replica_leader  # a tensor-parallel replica speaks through its first rank
+        while True:
+            for msg in _next_messages(engine, self.inbox, layout, self.beat, self.cfg.dist.timeout_s, self.generated):
+                if msg.kind == Kind.STOP:
+                    return self._stop()
+                self._apply(msg)
+            if engine.has_work():
+                self.beat.set(f"engine step with weights v{engine.version}")
+                done = engine.step()
+                if done and reports:
+                    self.generated += sum(len(c.token_ids) for c in done)
+                    transport.send(protocol.completions(done), self.controller, self.up)
+
+    def _apply(self, msg: Message) -> None:
+        engine = self.engine
+        if msg.kind == Kind.GENERATE:
+            _wake(engine)
+            for r in protocol.read_generate(msg):
+                engine.add(Request(r.request_id, r.prompt_ids, SamplingParams(**r.sampling)))
+        elif msg.kind == Kind.LOAD_WEIGHTS:
+            version = msg.meta["version"]
+            self.beat.set(f"receiving weights v{version}")
+            start = time.perf_counter()
+            _wake(engine)
+            self._receive(version)
+            engine.set_version(version)
+            log.info("loaded weights v%d in %.4fs", engine.version, time.perf_counter() - start)
+        elif msg.kind == Kind.SLEEP:
+            freed = engine.sleep()
+            log.info("asleep while the trainer steps: %.2f GiB freed", freed / 2**30)
+            transport.send(protocol.asleep(freed), self.controller, self.up)
+        else:
+            raise RuntimeError(f"inference rank got an unexpected message {msg.kind!r}")
+
+    def _receive(self, version: int | None) -> None:
+        """The trainer's weights into the engine, in place: the first ones (None) or `version`."""
+        cfg, layout = self.cfg, self.layout
+        if self.colocated is not None:
+            self.colocated.receive_first() if version is None else self.colocated.receive(version)
+        elif cfg.inference.backend == "vllm":
+            # vLLM's parameters are renamed to HF names and loaded through its worker
+            # (runtime/engine/vllm_engine.py), so it receives the buckets itself
+            self.engine.receive_weights(layout.sync_group, layout.roles.trainers[0], self.dtype,
+                                        cfg.weight_sync.bucket_mb, layout.device)
+        else:
+            weight_sync.receive_weights(self.engine.model, layout.sync_group, layout.roles.trainers[0], self.dtype,
+                                        cfg.weight_sync.bucket_mb, layout.device)
+
+    def _stop(self) -> None:
+        self.beat.close()
+        # Every dispatched step is trained before the controller says stop, so nothing should be live.
+        if self.engine.has_work():
+            log.warning("stopping with requests still live; they are dropped")
+        if self.colocated is not None:
+            self.colocated.close()
+        if self.layout.device.type == "cuda":
+            log.info("peak GPU memory of this engine process: %.2f GiB",
+                     torch.cuda.max_memory_allocated(self.layout.device) / 2**30)
+        transport.send(protocol.done(), self.controller, self.up)
+
+
+def _wake(engine: InferenceEngine) -> None:
+    """Take the KV cache back if the engine slept while the trainer stepped (sleep_while_training)."""
+    if getattr(engine, "asleep", False):
+        engine.wake()
 
 
 def _next_messages(engine, inbox: transport.Inbox, layout: Layout, beat: Heartbeat, timeout_s: float,
@@ -120,19 +182,3 @@ def _lockstep(messages: list[Message], inbox: transport.Inbox, group, leader: bo
                                f"within {timeout_s}s")
         taken.append(msg)
     return taken
-
-
-def _receive_weights(engine, cfg: RLConfig, group, src: int, dtype: torch.dtype, device: torch.device) -> None:
-    # The native engine's parameters are ours, filled in place; vLLM's are renamed to HF names and
-    # loaded through its worker (runtime/engine/vllm_engine.py), so it receives the buckets itself.
-    if cfg.inference.backend == "vllm":
-        engine.receive_weights(group, src, dtype, cfg.weight_sync.bucket_mb, device)
-    else:
-        weight_sync.receive_weights(engine.model, group, src, dtype, cfg.weight_sync.bucket_mb, device)
-
-
-def _stop(engine: InferenceEngine, controller: int, up) -> None:
-    # Every dispatched step is trained before the controller says stop, so nothing should be live.
-    if engine.has_work():
-        log.warning("stopping with requests still live; they are dropped")
-    transport.send(protocol.done(), controller, up)

@@ -117,7 +117,8 @@ class NativeEngine:
     max_num_seqs: rows, i.e. most sequences running at once.
     max_model_len: most tokens (prompt + completion) of one sequence.
     block_size: tokens per KV block. num_blocks: size of the cache in blocks (block 0 is the null
-        block); default: room for max_num_seqs full-length sequences, on CUDA at most
+        block); default: room for max_num_seqs full-length sequences, at most `kv_cache_bytes` when
+        given (a fixed budget: colocated engines, inference.kv_cache_gib), else on CUDA at most
         `kv_cache_memory_fraction` of the device memory left free once the model is loaded.
     max_num_batched_tokens: prefill tokens per step (padded B x T); default max(8192, max_model_len).
     prefix_sharing: prefix cache and prefill-once forks of identical prompts (off: every sequence
@@ -148,13 +149,12 @@ class NativeEngine:
         cuda_graphs: bool | None = None,
         attention: Literal["auto", "torch", "triton"] = "auto",
         detokenize: Callable[[list[int]], str] | None = None,
+        kv_cache_bytes: int | None = None,
         seed: int = 0,
         tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         _check_sizes(max_num_seqs, max_model_len, block_size, kv_cache_memory_fraction)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _resolve_device(device)
         self.dtype = dtype
         _check_model_fits(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
@@ -179,7 +179,7 @@ class NativeEngine:
         layer_ids, num_kv_heads, head_dim, v_head_dim = self._probe()
         self.attention = _decode_attention(attention, head_dim, is_cuda, v_head_dim)
         self.kv = self._make_cache(layer_ids, num_kv_heads, (head_dim, v_head_dim), num_blocks,
-                                   kv_cache_memory_fraction)
+                                   kv_cache_memory_fraction, kv_cache_bytes)
         self.blocks = BlockManager(self.kv.num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv, max_num_seqs=max_num_seqs, max_blocks=self.max_blocks,
                                   block_size=block_size, device=self.device, attention=self.attention,
@@ -209,7 +209,7 @@ class NativeEngine:
         return layer_ids, *first
 
     def _make_cache(self, layer_ids: list[int], num_kv_heads: int, head_dims: tuple[int, int],
-                    num_blocks: int | None, kv_cache_memory_fraction: float) -> KVCache:
+                    num_blocks: int | None, kv_cache_memory_fraction: float, kv_cache_bytes: int | None) -> KVCache:
         """The KV cache, `num_blocks` or sized as the class docstring says; ValueError if one
         sequence of max_model_len cannot fit. head_dims: (k head dim, v head dim)."""
         block_size = self.block_size
@@ -219,14 +219,17 @@ class NativeEngine:
             # More blocks than max_num_seqs full-length sequences only lengthen the prefix cache's
             # memory: never take more by default (an engine for a small eval stays small).
             num_blocks = self.max_num_seqs * self.max_blocks + 1
-            if self.device.type == "cuda":
+            if kv_cache_bytes is not None:
+                num_blocks = min(num_blocks, kv_cache_bytes // per_block)
+            elif self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 num_blocks = min(num_blocks, int(kv_cache_memory_fraction * free) // per_block)
         if num_blocks - 1 < self.max_blocks:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks - 1, 0)} blocks of {block_size} tokens "
                 f"({per_block / 2**20:.2f} MiB each) but one sequence of max_model_len {self.max_model_len} needs "
-                f"{self.max_blocks}: lower max_model_len, raise kv_cache_memory_fraction / num_blocks, "
+                f"{self.max_blocks}: lower max_model_len, raise the KV-cache budget (kv_cache_memory_fraction, "
+                "gpu_memory_fraction, kv_cache_gib) / num_blocks, "
                 "or use a device with more memory")
         return KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device, v_head_dim)
 
@@ -317,6 +320,34 @@ class NativeEngine:
         device block table against its sequence (for tests)."""
         self.scheduler.check()
 
+    def sleep(self) -> int:
+        """Free the KV cache and the captured CUDA graphs while no request is live (a colocated
+        engine in synchronous RL, so that the trainer can use the memory); returns the bytes freed.
+        The prefix cache goes with them. `wake` takes the cache back; graphs are captured again."""
+        if self.scheduler.live or self._pending_aborts:
+            raise RuntimeError("the engine cannot sleep while requests are live")
+        if self.asleep:
+            return 0
+        if self._launched is not None:  # its sequences all finished: read and drop its tokens
+            self._complete_decode(self._launched)
+            self._launched = None
+        self.blocks.clear_prefix_cache()
+        freed = self.kv.release()
+        self.runner.drop_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    @property
+    def asleep(self) -> bool:
+        """Whether `sleep` freed the KV cache and `wake` has not taken it back yet."""
+        return self.kv.released
+
+    def wake(self) -> None:
+        """Allocate the KV cache again after `sleep` (its contents are gone: every block is free)."""
+        if self.asleep:
+            self.kv.restore()
+
     # ------------------------------------------------------------------ one step's parts
 
     def _prefill(self, rows: list[tuple[Sequence, int]]) -> list[Completion]:
@@ -367,6 +398,14 @@ def _decode_attention(attention: str, head_dim: int, is_cuda: bool,
     """The decode attention backend an `attention` argument resolves to; ValueError if it cannot run."""
     # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16;
     # the kernel reads k and v with one head dim.
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """`device` with a CUDA index (the current device when it has none)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
     kernel_fits = _is_pow2(head_dim) and head_dim >= 16 and v_head_dim in (None, head_dim)
     if attention == "auto":
         attention = "triton" if is_cuda and triton_available() and kernel_fits else "torch"

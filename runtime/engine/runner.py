@@ -258,6 +258,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ samples
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and its memory pool (the engine's KV cache is being freed:
+        the graphs hold its addresses); the next decode launches capture again."""
+        self.graphs.clear()
+        if self._graph_pool is not None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+
     def _samples(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """tokens, logprobs (B,) -> one (2, B) float64 device buffer (fp32 logprobs and token ids are
         exact in it: one device-to-host copy). In a tensor-parallel replica the group's first

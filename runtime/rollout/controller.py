@@ -132,6 +132,7 @@ class Controller:
         self.failed_saves = 0  # checkpoints whose controller state could not be written (checkpoint.on_error)
         self.watch = TrainingWatch(cfg.checkpoint.every or 10)  # stops a run that is not training
         self._pending_stats: dict[str, float] = {}  # rollout statistics of the step being trained
+        self._sleep_pending: set[int] | None = None  # inference ranks asked to sleep that have not answered
         # Episodes (runtime/rollout/episodes.py): environment work on worker threads whose answers arrive
         # on the inbox as "episode" messages; every turn goes to its group's inference rank.
         ep = cfg.episodes
@@ -184,6 +185,8 @@ class Controller:
                 self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.engines))
         elif msg.kind == Kind.EPISODE:
             self._on_episode(msg.meta["event"])
+        elif msg.kind == Kind.ASLEEP:
+            self._sleep_pending.discard(msg.src)
         elif msg.kind == Kind.REPORT:
             self._on_report(msg.meta)
         else:
@@ -284,6 +287,8 @@ class Controller:
         step = self.clock.trained
         if self.clock.training or step not in self.steps or self.steps[step].pending:
             return
+        if not self._engines_asleep():
+            return
         samples, stats = self._build_samples(step)
         ranks = self.layout.roles.trainers
         # one stream of micro-batches per data rank; the cp ranks of a data rank share it
@@ -296,6 +301,19 @@ class Controller:
             transport.send(msg, rank, self.layout.down[rank])
         self.clock.training = True
         self._pending_stats = stats
+        self._sleep_pending = None
+
+    def _engines_asleep(self) -> bool:
+        """inference.sleep_while_training: ask every inference rank to free its KV cache before the
+        trainer steps (once per step) and say True when all have answered ASLEEP. Without it, or
+        while an online evaluation keeps the engines busy, True at once."""
+        if not self.cfg.inference.sleep_while_training or (self.evals is not None and self.evals.busy):
+            return True
+        if self._sleep_pending is None:
+            self._sleep_pending = set(self.layout.roles.inference)
+            for r in self._sleep_pending:
+                transport.send(protocol.sleep(), r, self.layout.down[r])
+        return not self._sleep_pending
 
     def _build_samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Advantages per group, filtering of uninformative groups, and rollout statistics."""
@@ -385,7 +403,7 @@ class Controller:
                    "weights/version": meta["version"],
                    "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),
                    "checkpoint/failed_saves": self.failed_saves + trainer.get("failed_saves", 0),
-                   **{k: v for k, v in trainer.items() if k.startswith("moe/")}}  # MoE load balance
+                   **{k: v for k, v in trainer.items() if k.startswith(("moe/", "memory/"))}}  # MoE balance, GPU memory
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
             self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/rollout/evals.py)
         self.watch.step(step, trainer["grad_norm"], self.cfg.prompts_per_step * self.cfg.samples_per_prompt,

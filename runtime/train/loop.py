@@ -8,7 +8,9 @@
            STOP            -> final checkpoint, export checkpoints/final, DONE
 
 Every trainer rank runs it; only the first (the leader) talks to the controller and sends the
-weights (runtime/weight_sync.py). Messages: runtime/protocol.py.
+weights (runtime/weight_sync.py). In a colocated layout every trainer rank instead writes the
+weights into the buffer it shares with the engine on its device (`ColocatedSender`).
+Messages: runtime/protocol.py.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from meshrl.parallel import parallelize
 from meshrl.runtime import checkpoint as ckpt
-from meshrl.runtime import protocol, transport, weight_sync
+from meshrl.runtime import memory, protocol, transport, weight_sync
 from meshrl.runtime.checkpoint import export_hf
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.layout import Layout
@@ -39,6 +43,7 @@ class TrainerRank:
     def __init__(self, cfg: RLConfig, layout: Layout, start: int | None, ckpt_group) -> None:
         self.cfg, self.layout = cfg, layout
         device = layout.device
+        memory.cap_process(cfg, "trainer", device)
         self.tokenizer = load_tokenizer_for(cfg.model)
         self.dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
         p = cfg.trainer.parallel
@@ -58,6 +63,8 @@ class TrainerRank:
         self.beat = Heartbeat(cfg.log.heartbeat_s)
         self.controller = layout.roles.controller
         self.down, self.up = layout.down[layout.rank], layout.up[layout.rank]
+        self.colocated = (weight_sync.ColocatedSender(self.model, self.dtype, device, layout.peer, layout.to_peer,
+                                                      layout.from_peer) if layout.roles.colocated else None)
 
     def run(self) -> None:
         self.sync()  # version 0, which also warms the sync group's communicator up
@@ -73,11 +80,15 @@ class TrainerRank:
             self._train(*protocol.read_train(msg))
 
     def sync(self) -> float:
-        """Broadcast the current weights to the inference ranks; returns the seconds it took."""
+        """Send the current weights to the inference ranks (broadcast, or the colocated buffer);
+        returns the seconds it took on this side."""
         start = time.perf_counter()
         layout = self.layout
-        weight_sync.send_weights(self.model, layout.sync_group if self.leader else None, layout.roles.trainers[0],
-                                 self.dtype, self.cfg.weight_sync.bucket_mb, layout.device)
+        if self.colocated is not None:
+            self.colocated.send(self.model, self.trainer.version)
+        else:
+            weight_sync.send_weights(self.model, layout.sync_group if self.leader else None, layout.roles.trainers[0],
+                                     self.dtype, self.cfg.weight_sync.bucket_mb, layout.device)
         return time.perf_counter() - start
 
     def _train(self, step: int, num_loss_tokens: int, micro_batches: list) -> None:
@@ -85,6 +96,10 @@ class TrainerRank:
         cfg = self.cfg
         stats = self.trainer.rl_step(micro_batches, num_loss_tokens, cfg.trainer.loss, cfg.inference.sampling.temperature)
         stats["failed_saves"] = self.checkpointer.failed  # checkpoint/failed_saves in metrics.jsonl
+        if self.layout.device.type == "cuda":
+            stats["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(self.layout.device) / 2**30
+            if cfg.inference.sleep_while_training:
+                torch.cuda.empty_cache()  # the engine takes its KV cache back next
         version = self.trainer.version
         if self.leader:  # before the broadcast: the controller must tell inference to join it
             transport.send(protocol.weights(version), self.controller, self.up)
@@ -103,6 +118,8 @@ class TrainerRank:
     def _stop(self) -> None:
         self.beat.set("final checkpoint and export")
         self.checkpointer.close()
+        if self.colocated is not None:
+            self.colocated.close()
         export_hf(self.model, self.args, self.tokenizer, Path(self.cfg.output_dir) / "checkpoints" / "final", self.leader)
         if self.leader:
             transport.send(protocol.done(), self.controller, self.up)

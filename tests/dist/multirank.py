@@ -16,14 +16,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, errq, backend: str) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, errq, backend: str, devices) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         if "nccl" in backend:
             import torch
 
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank if devices is None else devices[rank])
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         dist.barrier()
@@ -33,14 +33,14 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errq, backend: str) 
         raise
 
 
-def run_ranks(fn, world_size: int, *args, backend: str = "gloo") -> None:
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo", devices: list[int] | None = None) -> None:
     """Run fn(rank, world_size, *args) on `world_size` spawned processes; re-raise any failure.
 
-    `backend` "cpu:gloo,cuda:nccl" also pins rank r to GPU r (GPU tests)."""
+    `backend` "cpu:gloo,cuda:nccl" also pins rank r to GPU r, or to GPU devices[r] (GPU tests)."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq, backend)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq, backend, devices)) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
