@@ -248,13 +248,6 @@ class KVCache:
         k, v = self._storage()
         return k[i].permute(1, 2, 0, 3), v[i].permute(1, 2, 0, 3)
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
-        if src:
-            k, _ = self._storage()
-            s = torch.tensor(src, device=k.device)
-            d = torch.tensor(dst, device=k.device)
-            if self.data is not None:
     def release(self) -> int:
         """Free the storage (a sleeping engine: runtime/engine/native.py `sleep`); returns the bytes
         freed. `restore` allocates it again, zeroed."""
@@ -274,6 +267,13 @@ class KVCache:
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
         self._released = {}
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
+        if src:
+            k, _ = self._storage()
+            s = torch.tensor(src, device=k.device)
+            d = torch.tensor(dst, device=k.device)
+            if self.data is not None:
                 self.data[:, :, :, d] = self.data[:, :, :, s]
             else:
                 for t in (self._k, self._v):
