@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import glm4_moe, llama3, minimax_m2, qwen3, qwen3_moe
+from meshrl.models import deepseek_v3, glm4_moe, llama3, minimax_m2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=minimax_m2.FLAVORS,
         state_dict_adapter=minimax_m2.MiniMaxM2StateDictAdapter,
         parallel_plan=minimax_m2.PARALLEL_PLAN,
+    ),
+    "deepseek_v3": ModelFamily(
+        name="deepseek_v3",
+        args_cls=deepseek_v3.DeepseekV3Args,
+        model_cls=deepseek_v3.DeepseekV3,
+        flavors=deepseek_v3.FLAVORS,
+        state_dict_adapter=deepseek_v3.DeepseekV3StateDictAdapter,
+        parallel_plan=deepseek_v3.PARALLEL_PLAN,
     ),
 }
 

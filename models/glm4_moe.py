@@ -185,8 +185,8 @@ FLAVORS: dict[str, Glm4MoeArgs] = {
                          moe_hidden_dim=32, num_experts=8, num_shared_experts=1, top_k=2, n_group=2, topk_group=1,
                          routed_scaling_factor=2.5, first_dense=1, use_qk_norm=True, max_seq_len=2048),
     # Benchmark shape, not a released model: GLM-4.5-Air's layer (head_dim 128, partial rotary,
-    # biases, 1 shared + top-8 routed experts) scaled to one GPU.
-    "bench-air-6B": replace(_GLM, dim=2048, n_layers=16, n_heads=32, n_kv_heads=4, hidden_dim=5632,
+    # biases, 1 shared + top-8 routed experts) scaled to one GPU: 5.2B parameters, 1.5B active.
+    "bench-air-5B": replace(_GLM, dim=2048, n_layers=16, n_heads=32, n_kv_heads=4, hidden_dim=5632,
                             moe_hidden_dim=704, num_experts=64, first_dense=1),
     "air-106B-A12B": replace(_GLM, dim=4096, n_layers=46, hidden_dim=10944, moe_hidden_dim=1408, num_experts=128,
                              first_dense=1, routed_scaling_factor=1.0, use_qk_norm=False),

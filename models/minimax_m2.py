@@ -143,8 +143,9 @@ FLAVORS: dict[str, MiniMaxM2Args] = {
     "debug": MiniMaxM2Args(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                            moe_hidden_dim=32, num_experts=8, top_k=2, rotary_dim=8, max_seq_len=2048),
     # Benchmark shape, not a released model: MiniMax-M2's layer (48 heads on 8 kv heads of 128,
-    # rotary on 64 dims, top-8 of 256 experts of 1536) at 8 layers and 64 experts.
-    "bench-9B-A2B": replace(_M2, n_layers=8, num_experts=64),
+    # rotary on 64 dims, top-8 experts of 1536) at 8 layers and 32 experts: 5.2B parameters,
+    # 2.5B active, small enough to train on one GPU.
+    "bench-5B": replace(_M2, n_layers=8, num_experts=32),
     "230B-A10B": _M2,
 }
 

@@ -172,8 +172,8 @@ class ContextParallelAttention:
         group: the cp process group (None = the default group); every rank of it calls `attend`
             for the same layers in the same order, with the same T_local.
 
-    `attend(layer_id, q, k, v)` takes the local q (1, Hq, T_local, D) and k, v (1, Hkv, T_local, D),
-    all-gathers k and v (un-repeated, in one collective) and attends the local queries against all
+    `attend(layer_id, q, k, v)` takes the local q (1, Hq, T_local, D) and k, v (1, Hkv, T_local, D)
+    (v may have a head dim of its own: MLA), all-gathers k and v (un-repeated, in one collective) and attends the local queries against all
     T keys. The gathered keys stay in rank order rather than being permuted into row order: the
     mask is built in that order instead (SDPA does not care about key order), which saves a copy
     of the full K/V and its backward per layer. On the first call the ranks exchange their
@@ -214,10 +214,11 @@ class ContextParallelAttention:
         B, num_q_heads, T_local, D = q.shape
         assert B == 1 and T_local == self.local_index.numel(), \
             f"q {tuple(q.shape)} does not match one row of {self.local_index.numel()} local tokens"
-        kv = _GatherTokens.apply(torch.stack([k, v]), self.group)  # (cp, 2, 1, Hkv, T_local, D)
-        # (cp, 2, 1, Hkv, T_local, D) -> (2, 1, Hkv, cp * T_local, D): keys in rank order.
-        kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, 1, k.shape[1], -1, D)
-        k_all, v_all = kv[0], kv[1]
+        # One gather of [k, v] along the head dim (MLA's v is narrower than its q/k).
+        kv = _GatherTokens.apply(torch.cat([k, v], dim=-1), self.group)  # (cp, 1, Hkv, T_local, Dk + Dv)
+        # (cp, 1, Hkv, T_local, Dk + Dv) -> (1, Hkv, cp * T_local, Dk + Dv): keys in rank order.
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(1, k.shape[1], -1, k.shape[-1] + v.shape[-1])
+        k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         # Repeat after the gather so only the Hkv heads travel; explicit repeat rather than
         # enable_gqa for the same reason as DocumentCausalAttention (masked CUDA kernel).
         n_rep = num_q_heads // k.shape[1]

@@ -208,6 +208,8 @@ class KVCache:
     kernel reads. A family whose values are narrower than its keys (MLA: DeepSeek-V3's q/k head
     dim is nope + rope, its v head dim its own) gets two tensors and `data` is None. Writes check
     each tensor against its own dims (`write_slots`), so a k or v of another shape raises.
+    v_head_dim = 0 stores keys only: MLA's latent cache, one "head" of latent + rope key per token
+    (`PagedAttention.attend_latent` reads the values out of the keys).
 
     layer_ids: the ids the model passes to `attend`, in the order of the storage's first dim.
     """
@@ -239,6 +241,11 @@ class KVCache:
         if self.data is not None:
             return self.data[:, 0], self.data[:, 1]
         return self._k, self._v
+
+    @property
+    def latent(self) -> bool:
+        """Keys only (v_head_dim 0): MLA's compressed latent and rotary key per token."""
+        return self.v_head_dim == 0
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(k, v) of one layer, each a (num_blocks, block_size, Hkv, its head dim) view of the head-major storage."""
@@ -289,8 +296,9 @@ def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
     return cache.permute(2, 0, 1, 3)[:, tables].flatten(2, 3)
 
 
-def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """q (B, Hq, T, D), k (Hkv, B, L, D), v (Hkv, B, L, Dv) head-major, mask (B, 1, T, L) bool -> (B, Hq, T, Dv).
+    `scale` of the scores: 1/sqrt(D) when None.
 
     The Hq / Hkv query heads that share a kv head are stacked along the query length, so a
     masked (memory-efficient) kernel runs GQA without repeating k/v; (kv head, row) are the
@@ -304,11 +312,11 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     if group * T <= 8:
         # A few query rows (decode): plain matmuls with an fp32 softmax run ~10x faster on CPU
         # than SDPA's masked kernels, which are built for long query blocks.
-        scores = (qf @ k.transpose(-1, -2)).float() * D**-0.5  # (Hkv, B, group * T, L)
+        scores = (qf @ k.transpose(-1, -2)).float() * (D**-0.5 if scale is None else scale)  # (Hkv, B, group*T, L)
         weights = torch.softmax(scores.masked_fill(~maskf, float("-inf")), dim=-1)
         out = weights.to(v.dtype) @ v
     else:
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf, scale=scale)
     return out.transpose(0, 1).reshape(B, num_q_heads, T, v.shape[-1])
 
 
@@ -384,3 +392,30 @@ class PagedAttention:
         if self.backend == "triton":
             return paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens)
         return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions)
+
+    def attend_latent(self, layer_id: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
+                      wkv_b: Tensor, v_head_dim: int) -> Tensor:
+        """Multi-head latent attention over a latent cache (models/common/mla.py). q_nope (B, H, T, Dn),
+        q_rope (B, H, T, Dr), latent (B, T, R), k_rope (B, 1, T, Dr), wkv_b (H * (Dn + Dv), R) -> (B, H, T, Dv).
+
+        [latent, k_rope] (R + Dr per token) is written to the cache. A fresh prefill expands the new
+        tokens' per-head k and v, as the trainer does; otherwise the queries are absorbed into the
+        latent space (q_nope W_uk), attend over the cached [latent, k_rope] as one shared kv head
+        whose values are its first R dims, and the result leaves through W_uv.
+        """
+        k_cache, _ = self.cache.layer(layer_id)  # (num_blocks, bs, 1, R + Dr)
+        B, H, T, nope_dim = q_nope.shape
+        rank = latent.shape[-1]
+        scale = (nope_dim + q_rope.shape[-1]) ** -0.5
+        write_slots(k_cache, self.slots.reshape(-1), torch.cat([latent, k_rope[:, 0]], dim=-1)[:, None])
+        w = wkv_b.view(H, nope_dim + v_head_dim, rank)
+        if self.fresh:
+            k_nope, v = F.linear(latent, wkv_b).view(B, T, H, -1).transpose(1, 2).split([nope_dim, v_head_dim], -1)
+            k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
+            return F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], -1), k, v, is_causal=True, scale=scale)
+        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :nope_dim]), q_rope], dim=-1)  # (B, H, T, R + Dr)
+        keys = gather_blocks(k_cache, self.tables_long)  # (1, B, L, R + Dr)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, L)
+        out = grouped_sdpa(q, keys, keys[..., :rank], mask, scale)  # (B, H, T, R)
+        return torch.einsum("bhtr,hvr->bhtv", out, w[:, nope_dim:])

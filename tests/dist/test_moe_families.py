@@ -1,6 +1,6 @@
 """Every native MoE family: one RL step of the real Trainer with expert parallelism (EP 2 over
 FSDP 2, full or selective activation checkpointing, with and without torch.compile) equals the
-single-process (EP 1) step, on 2 gloo ranks.
+single-process (EP 1) step, on 2 gloo ranks; so does context parallelism (cp 2).
 
 Same harness as test_parallel_trainer.py: loss statistics and every updated parameter must match
 the reference within fp32 round-off, and the step must move every trainable parameter (frozen
@@ -24,7 +24,7 @@ from tests.family_checks import build_random
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, eps=1e-4)  # eps: see test_parallel_trainer.py
 LOSS = LossConfig(kl_coef=0.1)
 SEQ_LEN = 96
-FAMILIES = ["glm4_moe", "minimax_m2"]
+FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3"]
 
 
 def make_model(family: str):
@@ -51,8 +51,9 @@ def _step(model, family: str, group, meshes, num_data_ranks: int, data_rank: int
     return trainer.rl_step(batches[data_rank], count_loss_tokens(batches), LOSS, temperature=0.7)
 
 
-def _job(rank, world_size, family, ac, compile, out):
-    dims = ParallelDims.resolve(world_size, dp_shard=world_size, ep=world_size)
+def _job(rank, world_size, family, ac, compile, out, cp=1):
+    dims = (ParallelDims.resolve(world_size, dp_shard=world_size, ep=world_size) if cp == 1 else
+            ParallelDims.resolve(world_size, dp_shard=world_size // cp, cp=cp))
     meshes = build_meshes(dims, list(range(world_size)), rank, "cpu")
     model = parallelize(make_model(family), meshes, torch.float32, ac=ac, compile=compile)
     stats = _step(model, family, torch.distributed.group.WORLD, meshes, dims.num_data_ranks, dims.data_rank(rank))
@@ -81,3 +82,16 @@ def test_expert_parallel_step_equals_single_process(tmp_path, family, ac, compil
     for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "loss_tokens"):
         assert abs(got["stats"][key] - ref_stats[key]) <= 1e-5 * max(1.0, abs(ref_stats[key])), key
     assert got["stats"]["moe/load_max"] >= 1.0 >= got["stats"]["moe/load_min"] >= 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_parallel_step_equals_single_process(tmp_path, family):
+    """cp 2: each packed row split over two ranks (MLA's narrower v included)."""
+    run_ranks(_job, 2, family, "none", False, tmp_path, 2)
+    got = torch.load(tmp_path / "trainer.pt")
+    model = make_model(family)
+    ref_stats = _step(model, family, None, None, 1, 0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got["params"][name], param.detach(), rtol=1e-5, atol=2e-6, msg=name)
+    for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "loss_tokens"):
+        assert abs(got["stats"][key] - ref_stats[key]) <= 1e-5 * max(1.0, abs(ref_stats[key])), key

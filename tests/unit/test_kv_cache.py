@@ -261,3 +261,36 @@ def test_engine_serves_a_model_whose_values_are_narrower_than_its_keys():
             out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
         assert completion.token_ids == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-prefill-expanded", "cached-absorbed"])
+def test_latent_attention_equals_expanded_mla(fresh):
+    """attend_latent over a latent cache (one kv head of [latent, rope key], no values) equals
+    attention over the expanded per-head k (nope + rope) and v, for a prefill of new tokens only
+    (expanded there) and for queries over a cached prefix (absorbed: q_nope W_uk against the latent)."""
+    torch.manual_seed(4)
+    B, H, T, Dn, Dr, Dv, R, bs = 2, 3, 7, 6, 4, 5, 8, 4
+    q_nope, q_rope = torch.randn(B, H, T, Dn), torch.randn(B, H, T, Dr)
+    latent, k_rope = torch.randn(B, T, R), torch.randn(B, 1, T, Dr)
+    wkv_b = torch.randn(H * (Dn + Dv), R)
+    k_nope, v = (latent @ wkv_b.T).view(B, T, H, Dn + Dv).transpose(1, 2).split([Dn, Dv], -1)
+    ref = F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], -1),
+                                         torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], -1), v, is_causal=True)
+    cache = KVCache([0], num_blocks=8, block_size=bs, num_kv_heads=1, head_dim=R + Dr, dtype=torch.float32,
+                    device="cpu", v_head_dim=0)
+    assert cache.latent and cache.data is None
+    tables = torch.tensor([[3, 5], [6, 1]], dtype=torch.int32)
+    slots = torch.stack([tables[b, torch.arange(T) // bs].long() * bs + torch.arange(T) % bs for b in range(B)])
+    positions = torch.arange(T).expand(B, T)
+    split = T if fresh else 4  # not fresh: the first 4 tokens are cached first, then 3 attend over them
+    first = PagedAttention(cache, slots[:, :split], positions[:, :split], tables, fresh=True)
+    out = first.attend_latent(0, q_nope[:, :, :split], q_rope[:, :, :split], latent[:, :split],
+                              k_rope[:, :, :split], wkv_b, Dv)
+    if not fresh:
+        rest = PagedAttention(cache, slots[:, split:], positions[:, split:], tables)
+        out = torch.cat([out, rest.attend_latent(0, q_nope[:, :, split:], q_rope[:, :, split:], latent[:, split:],
+                                                 k_rope[:, :, split:], wkv_b, Dv)], dim=2)
+    assert out.shape == (B, H, T, Dv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    k_cache, _ = cache.layer(0)
+    assert torch.equal(k_cache[5, 1, 0], torch.cat([latent[0, 5], k_rope[0, 0, 5]]))  # position 5 of row 0
