@@ -332,8 +332,8 @@ class LayoutConfig(Base):
     has (the launcher says so in one line); otherwise split. docs/architecture.md."""
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Colocated layout: use at most this much of each GPU, as a smaller card would have (to try a
-    small-GPU setup on a big one): the engine process is capped at its weights + KV cache + 1 GiB,
-    the trainer process at the rest (torch.cuda.set_per_process_memory_fraction)."""
+    small-GPU setup on a big one): the engine process is capped at its weights + KV cache + a reserve
+    (runtime/memory.py), the trainer process at the rest (torch.cuda.set_per_process_memory_fraction)."""
 
     @property
     def world_size(self) -> int:

@@ -1,8 +1,8 @@
 """How a colocated trainer and engine split one GPU's memory (layout.colocate).
 
 The engine takes what is fixed: its weights in the inference dtype, its KV cache (a budget, not
-whatever happens to be free: both processes start at once) and a reserve for CUDA graphs and
-workspaces. The trainer takes the rest, which must hold its share of the fp32 parameters, their
+whatever happens to be free: both processes start at once) and a reserve for CUDA graphs,
+workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest, which must hold its share of the fp32 parameters, their
 gradients and AdamW's two moments, the shared weight buffer of the colocated path, one layer's
 gathered bf16 weights and the activations of one micro-batch. `plan` adds these up from the model
 shape (an estimate for the activations, stated as such), and `check` refuses a budget that cannot
@@ -25,7 +25,8 @@ from meshrl.runtime.config import RLConfig
 from meshrl.runtime.policy import policy_skeleton
 
 GIB = 2**30
-ENGINE_RESERVE = 1 * GIB  # CUDA graphs, cuBLAS workspaces, the sampler's buffers
+ENGINE_RESERVE = 1 * GIB  # CUDA graphs' pools, cuBLAS workspaces, prefill temporaries
+SAMPLER_BYTES = 16  # per row and vocabulary entry: the fp32 logits of a decode step and their temporaries
 CONTEXT = GIB // 2  # the CUDA context and allocator slack of each process
 # Activation bytes per token and layer in bf16, per model dim, by activation checkpointing: about
 # 34 x dim without it (Korthikanti et al., 2022), the block inputs alone with full AC.
@@ -39,6 +40,7 @@ class MemoryPlan:
     device: int
     engine_weights: int
     kv_cache: int
+    engine_reserve: int  # ENGINE_RESERVE + the sampler's (max_num_seqs, vocab) fp32 buffers
     trainer_state: int  # fp32 parameters + gradients + two AdamW moments, this rank's share
     staging: int  # the shared weight buffer (inference dtype)
     gathered_layer: int  # one layer's full bf16 weights during FSDP2's forward / backward
@@ -48,7 +50,7 @@ class MemoryPlan:
 
     @property
     def engine(self) -> int:
-        return self.engine_weights + self.kv_cache + ENGINE_RESERVE + CONTEXT
+        return self.engine_weights + self.kv_cache + self.engine_reserve + CONTEXT
 
     @property
     def trainer(self) -> int:
@@ -70,7 +72,7 @@ class MemoryPlan:
     def describe(self) -> str:
         g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
         return (f"engine {g(self.engine)} GiB (weights {g(self.engine_weights)}, KV cache {g(self.kv_cache)}, "
-                f"reserve {g(ENGINE_RESERVE + CONTEXT)}) + trainer {g(self.trainer)} GiB (parameters, gradients "
+                f"reserve {g(self.engine_reserve + CONTEXT)}) + trainer {g(self.trainer)} GiB (parameters, gradients "
                 f"and AdamW {g(self.trainer_state)}, shared weight buffer {g(self.staging)}, one gathered layer "
                 f"{g(self.gathered_layer)}, activations of one micro-batch ~{g(self.activations)} (estimated), "
                 f"logprob head {g(self.logprob_head)}, context {g(CONTEXT)})"
@@ -106,6 +108,7 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
         device=total,
         engine_weights=2 * params,
         kv_cache=kv_budget(cfg, total),
+        engine_reserve=ENGINE_RESERVE + SAMPLER_BYTES * cfg.inference.max_num_seqs * vocab,
         trainer_state=16 * params // cfg.layout.num_trainer_ranks,
         staging=2 * params,
         gathered_layer=2 * 2 * layer_params,  # bf16 weights and their gradients
