@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import deepseek_v3, glm4_moe, llama3, minimax_m2, qwen3, qwen3_moe
+from meshrl.models import deepseek_v3, glm4_moe, gpt_oss, llama3, minimax_m2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=deepseek_v3.FLAVORS,
         state_dict_adapter=deepseek_v3.DeepseekV3StateDictAdapter,
         parallel_plan=deepseek_v3.PARALLEL_PLAN,
+    ),
+    "gpt_oss": ModelFamily(
+        name="gpt_oss",
+        args_cls=gpt_oss.GptOssArgs,
+        model_cls=gpt_oss.GptOss,
+        flavors=gpt_oss.FLAVORS,
+        state_dict_adapter=gpt_oss.GptOssStateDictAdapter,
+        parallel_plan=gpt_oss.PARALLEL_PLAN,
     ),
 }
 

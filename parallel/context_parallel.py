@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
+from meshrl.models.common.attention import attention_with_sinks
+
 __all__ = ["cp_local_index", "pad_for_cp", "cp_split", "ContextParallelAttention"]
 
 # Padding values of the packed-row fields that must not be 0; every other field pads with 0.
@@ -194,6 +196,8 @@ class ContextParallelAttention:
         self.local_index = local_index  # (T_local,)
         self.group = group
         self._mask: Tensor | None = None
+        self._key_index: Tensor | None = None
+        self._windowed: dict[int, Tensor] = {}  # window -> mask & sliding window
 
     def mask(self, device: torch.device) -> Tensor:
         """(1, 1, T_local, T) bool over (local queries, gathered keys in rank order); a collective
@@ -208,9 +212,20 @@ class ContextParallelAttention:
             causal = key_index[None, :] <= local[:, None]  # (T_local, T)
             same_doc = doc[local][:, None] == doc[key_index][None, :]  # (T_local, T)
             self._mask = (causal & same_doc)[None, None]
+            self._key_index = key_index
         return self._mask
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def windowed_mask(self, device: torch.device, window: int) -> Tensor:
+        """`mask` and q - window < k (row distance: documents are contiguous), cached per window."""
+        if window not in self._windowed:
+            mask = self.mask(device)
+            diff = self.local_index.to(device)[:, None] - self._key_index[None, :]  # (T_local, T)
+            self._windowed[window] = mask & (diff < window)[None, None]
+        return self._windowed[window]
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+        """Also takes the contract's sliding `window` and `sinks` (models/common/attention.py)."""
         B, num_q_heads, T_local, D = q.shape
         assert B == 1 and T_local == self.local_index.numel(), \
             f"q {tuple(q.shape)} does not match one row of {self.local_index.numel()} local tokens"
@@ -219,10 +234,13 @@ class ContextParallelAttention:
         # (cp, 1, Hkv, T_local, Dk + Dv) -> (1, Hkv, cp * T_local, Dk + Dv): keys in rank order.
         kv = kv.permute(1, 2, 0, 3, 4).reshape(1, k.shape[1], -1, k.shape[-1] + v.shape[-1])
         k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+        mask = self.mask(q.device) if window is None else self.windowed_mask(q.device, window)
+        if sinks is not None:
+            return attention_with_sinks(q, k_all, v_all, mask, sinks)
         # Repeat after the gather so only the Hkv heads travel; explicit repeat rather than
         # enable_gqa for the same reason as DocumentCausalAttention (masked CUDA kernel).
         n_rep = num_q_heads // k.shape[1]
         if n_rep > 1:
             k_all = k_all.repeat_interleave(n_rep, dim=1)
             v_all = v_all.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=self.mask(q.device))
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)

@@ -146,8 +146,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
         experts = moe.experts
         local = moe.num_experts // ep
         gather = functools.partial(gather_expert_shards, group=group)
-        for name in ("w1", "w2", "w3"):
-            full = getattr(experts, name)
+        for name, full in list(experts.named_parameters(recurse=False)):  # w1, w2, w3 (and biases): expert on dim 0
             # clone: the slice must own its storage so the full tensor is freed.
             shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
                                  requires_grad=full.requires_grad)

@@ -10,8 +10,17 @@ same model code therefore serves both, and the engine never forks the model file
 A context object lives for one forward pass. Anything derived from the batch layout (masks,
 cache slots) is built on the first `attend` call and reused by every layer.
 
-Softmax scale is always 1 / sqrt(head_dim) (Qwen3, Llama); a family that needs another scale
-would add it to the protocol.
+Softmax scale is always 1 / sqrt(head_dim) of q (Qwen3, Llama; MLA's q/k dim); a family that
+needs another scale rescales q. v may have a head dim of its own (MLA).
+
+Two optional keywords, passed only by the layers that use them (gpt-oss):
+
+- `window=W`: sliding-window attention, token i sees j iff i - W < j <= i (HF's
+  `kv_idx > q_idx - sliding_window`); rows are contiguous documents, so the distance in the row
+  is the distance in positions;
+- `sinks=s` (Hq,): attention sinks, one learned logit per query head that joins every softmax
+  as a key whose value is zero (the weights of the real keys then sum to less than 1).
+  `attention_with_sinks` is the exact reference every context uses for them.
 
 Packed-document backends (`make_document_attention` picks one), all with the same numbers:
 
@@ -37,9 +46,41 @@ from torch import Tensor
 
 
 class AttentionContext(Protocol):
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (B, Hq, T, D); k, v (B, Hkv, T, D), RoPE and qk-norm already applied. Returns (B, Hq, T, D)."""
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+        """q (B, Hq, T, D); k, v (B, Hkv, T, D), RoPE and qk-norm already applied. Returns (B, Hq, T, Dv).
+        `window` (sliding window) and `sinks` (Hq,) as in the module docstring."""
         ...
+
+
+def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor | None = None,
+                         scale: float | None = None) -> Tensor:
+    """Masked attention with an fp32 softmax, optionally over one extra sink logit per query head.
+
+    q (B, Hq, T, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv), mask (B or 1, 1, T, L) bool (True =
+    attend), sinks (Hq,) -> (B, Hq, T, Dv). The sink is a key with logit sinks[h] and value 0:
+    softmax over [scores, sink], then the sink's column is dropped (transformers' gpt-oss).
+    Scores are materialised: (B, Hq, T, L) fp32.
+    """
+    B, num_q_heads, T, D = q.shape
+    n_rep = num_q_heads // k.shape[1]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (D**-0.5 if scale is None else scale)  # (B, Hq, T, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """(..., T, L) bool: causal (k <= q) and, with `window`, q - window < k. q_pos (..., T), k_pos (..., L)."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]
+    allowed = diff >= 0
+    return allowed if window is None else allowed & (diff < window)
 
 
 class OutputHead(Protocol):
@@ -56,9 +97,13 @@ class OutputHead(Protocol):
 class CausalAttention:
     """Plain causal attention over the whole row (one document per row, no padding inside)."""
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # enable_gqa keeps k, v un-repeated, which the flash kernel supports (no mask here).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+        if window is None and sinks is None:
+            # enable_gqa keeps k, v un-repeated, which the flash kernel supports (no mask here).
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        idx = torch.arange(q.shape[2], device=q.device)
+        return attention_with_sinks(q, k, v, window_mask(idx, idx, window)[None, None], sinks)
 
 
 class DocumentCausalAttention:
@@ -77,6 +122,7 @@ class DocumentCausalAttention:
         assert doc_ids.dim() == 2, f"doc_ids must be (B, T), got {tuple(doc_ids.shape)}"
         self.doc_ids = doc_ids  # (B, T)
         self._mask: Tensor | None = None
+        self._windowed: dict[int, Tensor] = {}  # window -> mask & sliding window
 
     @classmethod
     def from_positions(cls, positions: Tensor) -> DocumentCausalAttention:
@@ -93,16 +139,27 @@ class DocumentCausalAttention:
             self._mask = (same_doc & causal)[:, None]
         return self._mask
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def windowed_mask(self, device: torch.device, window: int) -> Tensor:
+        """`mask` and q - window < k (row distance: documents are contiguous), cached per window."""
+        if window not in self._windowed:
+            idx = torch.arange(self.doc_ids.shape[1], device=device)
+            self._windowed[window] = self.mask(device) & window_mask(idx, idx, window)
+        return self._windowed[window]
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
         B, num_q_heads, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        mask = self.mask(q.device) if window is None else self.windowed_mask(q.device, window)
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, mask, sinks)
         # Repeat k, v rather than enable_gqa: with an explicit mask the CUDA path is the
         # memory-efficient kernel, which does not take enable_gqa (it would fall back to math).
         n_rep = num_q_heads // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def document_ids_from_positions(positions: Tensor) -> Tensor:
@@ -153,9 +210,13 @@ class FlexDocumentAttention:
             self._block_mask = document_block_mask(self.doc_ids.to(device))
         return self._block_mask
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
         B, num_q_heads, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        if window is not None or sinks is not None:
+            raise ValueError("the 'flex' attention backend has no sliding windows or attention sinks yet (gpt-oss); "
+                             "use trainer.attention = 'sdpa'")
         if self.compile:
             flex = _compiled_flex_attention()
         else:
@@ -299,9 +360,13 @@ class VarlenDocumentAttention:
             self._seqlens = (cu_seqlens.to(device), max_len)
         return self._seqlens
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
         B, _, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        if window is not None or sinks is not None:
+            raise ValueError("varlen attention has no sliding windows or attention sinks here (gpt-oss); "
+                             "use trainer.attention = 'sdpa'")
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"varlen (flash) attention needs bf16 or fp16 q/k/v, got {q.dtype}; "
                              "use the 'sdpa' or 'flex' backend for fp32")

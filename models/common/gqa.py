@@ -4,15 +4,20 @@
     qk_norm "head": RMSNorm over each head's head_dim (Qwen3, GLM-4.5 with use_qk_norm)
             "full": RMSNorm over all heads at once, before the split (MiniMax-M2)
     RoPE on q and k (the first R dims of each head when cos/sin are R < head_dim wide)
-    out = wo attn.attend(layer_id, q, k, v) (+ bias)
+    out = wo attn.attend(layer_id, q, k, v[, window=W][, sinks=s]) (+ bias)
 
-Parameter names: `wq`, `wk`, `wv`, `wo` (`.weight`, `.bias` where enabled), `q_norm`, `k_norm`.
+`window` (a sliding window of W tokens) and `sinks` (a learned logit per query head, gpt-oss) are
+passed to the context only when set: common/attention.py describes both.
+
+Parameter names: `wq`, `wk`, `wv`, `wo` (`.weight`, `.bias` where enabled), `q_norm`, `k_norm`,
+`sinks` (n_heads,).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext
@@ -27,13 +32,15 @@ class GQAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, layer_id: int, *,
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: QKNorm = "none",
-                 norm_eps: float = 1e-6) -> None:
+                 norm_eps: float = 1e-6, window: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         if n_heads % n_kv_heads != 0:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.layer_id = layer_id
         self.head_dim = head_dim
         self.qk_norm = qk_norm
+        self.window = window
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
@@ -64,14 +71,22 @@ class GQAttention(nn.Module):
         # x: (B, T, dim); cos, sin: (B, T, R) -> (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
+        extra = {}
+        if self.window is not None:
+            extra["window"] = self.window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        out = attn.attend(self.layer_id, q, k, v, **extra)  # (B, Hq, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 # HF's names of `GQAttention` as a block's `attention` (relative to layers.{i}. / model.layers.{i}.).
-def gqa_keys(qkv_bias: bool = False, out_bias: bool = False, qk_norm: QKNorm = "none") -> dict[str, str]:
+def gqa_keys(qkv_bias: bool = False, out_bias: bool = False, qk_norm: QKNorm = "none",
+             sinks: bool = False) -> dict[str, str]:
     """The key map of a block's `attention` <-> HF's `self_attn`, for the enabled parameters."""
     keys = {f"attention.w{a}.weight": f"self_attn.{b}_proj.weight" for a, b in zip("qkvo", "qkvo")}
+    if sinks:
+        keys["attention.sinks"] = "self_attn.sinks"
     if qkv_bias:
         keys.update({f"attention.w{a}.bias": f"self_attn.{a}_proj.bias" for a in "qkv"})
     if out_bias:

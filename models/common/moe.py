@@ -14,7 +14,9 @@
               gate (shared_gate=False: DeepSeek-V3, GLM-4.5's shared experts)
 
 `Routing` holds the choices: Qwen3-MoE is softmax + norm_topk_prob; MiniMax-M2 is sigmoid + bias
-+ norm; DeepSeek-V3 and GLM-4.5 are sigmoid + bias + groups + norm (eps 1e-20) + scale, in fp32.
++ norm; DeepSeek-V3 and GLM-4.5 are sigmoid + bias + groups + norm (eps 1e-20) + scale, in fp32;
+gpt-oss is a router with a trained bias, softmax + norm (its softmax over the k best logits is
+the renormalised top-k of the full softmax), and experts with biases and a clamped SwiGLU.
 The bias is a frozen parameter (requires_grad=False; in checkpoints, weight sync and exports
 like any weight, never updated by the optimizer: RL keeps a released model's balancing bias).
 
@@ -64,19 +66,47 @@ def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate = min(gate, limit), up = clamp(up, -limit, limit),
+    out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
 class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU experts with grouped weights; expert e is w2[e](silu(w1[e] x) * w3[e] x).
+    """`num_experts` SwiGLU experts with grouped weights; expert e is w2[e](act(w1[e] x, w3[e] x)),
+    act = silu(gate) * up, or `activation` (gpt-oss: `ClampedSwiGLU`); with `bias`, every
+    projection adds its expert's bias (b1 (E, hidden), b2 (E, dim), b3 (E, hidden)).
 
     The module runs experts on rows already grouped by expert. After expert parallelism it
     holds only its rank's experts (`num_experts` = E / ep); the rest of the model is unaware.
+    Every parameter has the expert on dim 0 (expert parallelism splits them all).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, bias: bool = False,
+                 activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        self.has_bias = bias
+        self.act = activation if activation is not None else _swiglu
         # Benchmarks may turn the grouped GEMM off to time the per-expert loop.
         self.use_grouped_mm = True
 
@@ -87,14 +117,20 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm and _grouped_mm_ok(x, w1):
             # One kernel per projection over all groups; offsets are cumulative row ends (no host sync).
             offs = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            g = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            if self.has_bias:
+                row_expert = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), counts,
+                                                     output_size=x.shape[0])
+                g, u = g + self.b1[row_expert], u + self.b3[row_expert]
+            out = torch._grouped_mm(self.act(g, u), w2.transpose(-2, -1), offs=offs)
+            return out + self.b2[row_expert] if self.has_bias else out
         # Every expert runs, also on zero rows: its weights then get a zero gradient instead of
         # none, so all ranks reduce the same gradients under FSDP whatever the routing.
         outs = []
         for e, xe in enumerate(torch.split(x, counts.tolist())):
-            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            b1, b2, b3 = (self.b1[e], self.b2[e], self.b3[e]) if self.has_bias else (None, None, None)
+            outs.append(F.linear(self.act(F.linear(xe, w1[e], b1), F.linear(xe, w3[e], b3)), w2[e], b2))
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
     @torch.no_grad()
@@ -103,6 +139,9 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w1, mean=0.0, std=std, generator=generator)
         nn.init.normal_(self.w2, mean=0.0, std=out_std, generator=generator)
         nn.init.normal_(self.w3, mean=0.0, std=std, generator=generator)
+        if self.has_bias:
+            for b in (self.b1, self.b2, self.b3):
+                nn.init.zeros_(b)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.w1.shape[2]}, hidden_dim={self.w1.shape[1]}"
@@ -130,6 +169,7 @@ class Routing:
     scale: float = 1.0  # routed_scaling_factor, applied to the final weights
     norm_eps: float = 0.0  # added to the renormalising sum (DeepSeek-V3, GLM-4.5: 1e-20)
     fp32: bool = False  # router matmul in fp32 (x.float() @ router.float().T)
+    router_bias: bool = False  # a trained bias on the router logits (gpt-oss's router.bias)
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.score not in ("softmax", "sigmoid"):
@@ -154,7 +194,8 @@ class MoE(nn.Module):
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool = False,
-                 shared_hidden_dim: int = 0, *, routing: Routing | None = None, shared_gate: bool = True) -> None:
+                 shared_hidden_dim: int = 0, *, routing: Routing | None = None, shared_gate: bool = True,
+                 expert_biases: bool = False, activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
@@ -163,9 +204,9 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = self.routing.norm_topk_prob
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = nn.Linear(dim, num_experts, bias=self.routing.router_bias)
         self.expert_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if self.routing.bias else None
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, bias=expert_biases, activation=activation)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
         gated = shared_hidden_dim and shared_gate
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if gated else None
@@ -182,7 +223,8 @@ class MoE(nn.Module):
         load-balancing probabilities: softmax, or a sigmoid router's scores normalised per token)."""
         r = self.routing
         if r.fp32:
-            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+            bias = None if self.router.bias is None else self.router.bias.float()
+            logits = F.linear(x.float(), self.router.weight.float(), bias)  # (N, E)
         else:
             logits = self.router(x)
         if r.score == "softmax":

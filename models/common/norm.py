@@ -16,22 +16,29 @@ from meshrl.models.common.fused import use_fused
 
 
 class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), statistic in fp32, over the last dim."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)), statistic in fp32, over the last dim.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    `weight_in_fp32` (gpt-oss): multiply by the weight in fp32, then cast (HF's GptOssRMSNorm);
+    the default casts first (Qwen3, Llama). The two agree in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
         self.weight = nn.Parameter(torch.empty(dim))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        if use_fused(x) and self.weight.dtype == x.dtype:
+        if use_fused(x) and self.weight.dtype == x.dtype and not self.weight_in_fp32:
             return fused.rms_norm(x, self.weight, self.eps)  # one kernel, same numerics (inference only)
         input_dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * h).to(input_dtype)
         return self.weight * h.to(input_dtype)
 
     def extra_repr(self) -> str:

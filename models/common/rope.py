@@ -15,7 +15,7 @@ handling in every state-dict path. Instead it is computed on the CPU (the same k
 the values are bit-identical) and cached per device on first use.
 
 A family with scaled frequencies passes its settings in as a frozen dataclass
-(`Llama3RopeScaling` today); `scaling=None` is the default path above, unchanged.
+(`Llama3RopeScaling`, `YarnRopeScaling`); `scaling=None` is the default path above, unchanged.
 """
 
 from __future__ import annotations
@@ -67,9 +67,92 @@ def _llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> Tensor:
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (HF rope_type "yarn": gpt-oss, DeepSeek-V3): frequencies blended between the original
+    (fast dims, extrapolated) and `factor` times slower (slow dims, interpolated) over a linear
+    ramp between the dims that turn beta_fast and beta_slow times in original_max_seq_len;
+    cos and sin are multiplied by `attention_factor` (HF's default from factor, mscale and
+    mscale_all_dim). DeepSeek-V3 also scales its softmax by `softmax_scale` (= mscale(factor,
+    mscale_all_dim)^2), which its attention applies, not the embedding."""
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_seq_len <= 0:
+            raise ValueError(f"yarn rope scaling needs factor > 0 and original_max_position_embeddings > 0, got "
+                             f"{self.factor} and {self.original_max_seq_len}")
+
+    @staticmethod
+    def _mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (HF's attention_factor)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return float(self._mscale(self.factor, self.mscale) / self._mscale(self.factor, self.mscale_all_dim))
+        return self._mscale(self.factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """DeepSeek's extra softmax factor (HF yarn_apply_mscale): mscale(factor, mscale_all_dim)^2, or 1."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return self._mscale(self.factor, self.mscale_all_dim) ** 2
+
+    @classmethod
+    def from_hf(cls, rope: dict) -> YarnRopeScaling:
+        """From an HF rope_parameters / rope_scaling dict of rope_type "yarn"."""
+        return cls(factor=float(rope["factor"]), original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                   beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                   mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+                   attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
+
+    def to_hf(self, theta: float) -> dict:
+        out = {"rope_type": "yarn", "rope_theta": theta, "factor": self.factor,
+               "original_max_position_embeddings": self.original_max_seq_len, "beta_fast": self.beta_fast,
+               "beta_slow": self.beta_slow, "truncate": self.truncate}
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: YarnRopeScaling) -> Tensor:
+    # The fp32 operations of transformers' _compute_yarn_parameters, in its order.
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+RopeScaling = Llama3RopeScaling | YarnRopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
     """Inverse frequencies (head_dim // 2,) in fp32 on the CPU, exactly as HF computes them."""
     assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
 
@@ -120,7 +203,7 @@ class RotaryEmbedding(nn.Module):
     dtype casts and FSDP; `inv_freq` is cached per device outside the state dict.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
@@ -137,6 +220,9 @@ class RotaryEmbedding(nn.Module):
         # positions: (B, T) int64 -> cos, sin: (B, T, head_dim) in `dtype`
         freqs = positions[..., None].float() * self.inv_freq(positions.device)  # (B, T, D/2) fp32
         emb = torch.cat((freqs, freqs), dim=-1)
+        if isinstance(self.scaling, YarnRopeScaling) and self.scaling.cos_sin_factor != 1.0:
+            factor = self.scaling.cos_sin_factor
+            return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:

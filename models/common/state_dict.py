@@ -16,6 +16,10 @@ so a new family writes tables, not conversion code:
     hf_aliases   other HF spellings of block keys, read (never written) as the canonical one:
                  MiniMax-M2's hub folders say block_sparse_moe.gate.weight, transformers 5's
                  in-memory model (and a folder saved without the original format) mlp.gate.weight
+    packed       an HF block tensor that holds several of ours in another layout, read and written
+                 (`Packed`: its parts and the two conversions): gpt-oss's mlp.experts.gate_up_proj
+                 (E, D, 2I), gate and up interleaved along the last dim, is (moe.experts.w1,
+                 moe.experts.w3), each (E, I, D)
 
 Values pass through untouched except for experts (so the adapter works on DTensors and on
 gradients as well as on weights): `to_hf` writes E per-expert copies of a grouped tensor (copies,
@@ -59,6 +63,16 @@ SWIGLU_KEYS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class Packed:
+    """Our block tensors `parts` (block-relative names) as one HF tensor: `unpack(hf) -> parts`,
+    `pack(*parts) -> hf`. `to_hf` needs every part of a layer at once."""
+
+    parts: tuple[str, ...]
+    unpack: Callable[[Tensor], tuple[Tensor, ...]]
+    pack: Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
 class KeyMap:
     """One family's explicit key map between our state-dict keys and HF's (see the module docstring).
 
@@ -77,6 +91,7 @@ class KeyMap:
     experts: Mapping[str, str] = field(default_factory=dict)
     fused_experts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     hf_aliases: Mapping[str, str] = field(default_factory=dict)
+    packed: Mapping[str, Packed] = field(default_factory=dict)
     expert_kind: str | None = None
     tied_head: str = "output.weight"
     layers_prefix: str = "layers"
@@ -112,6 +127,7 @@ class StateDictAdapter:
         self._hf_expert = [(re.compile(re.escape(v).replace(re.escape("{j}"), r"(\d+)")), k)
                            for k, v in km.experts.items()]
         self._partial: dict[str, dict[int, Tensor]] = {}  # our grouped key -> {expert index: tensor}
+        self._packed_part = {part: hf for hf, packing in km.packed.items() for part in packing.parts}
 
     def _layer(self, index: str, key: str) -> int:
         if int(index) >= self.args.n_layers:
@@ -129,6 +145,7 @@ class StateDictAdapter:
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         km, out = self.key_map, {}
+        packing: dict[tuple[int, str], dict[str, Tensor]] = {}  # (layer, HF name) -> {our part: value}
         for key, value in state_dict.items():
             if key == km.tied_head and self.args.tie_embeddings:
                 raise ValueError(f"state dict has {key!r} but the model ties its embeddings")
@@ -142,8 +159,17 @@ class StateDictAdapter:
             elif name in km.experts:
                 layer = self._block_layer(m.group(1), km.expert_kind, key)
                 out.update(self._split_experts(layer, km.experts[name], value, key))
+            elif name in self._packed_part:
+                layer = self._block_layer(m.group(1), km.expert_kind, key)
+                packing.setdefault((layer, self._packed_part[name]), {})[name] = value
             else:
                 raise ValueError(f"unknown {km.label} state-dict key {key!r}")
+        for (layer, hf_name), parts in packing.items():
+            wanted = km.packed[hf_name].parts
+            if set(parts) != set(wanted):
+                missing = [f"{km.layers_prefix}.{layer}.{p}" for p in wanted if p not in parts]
+                raise ValueError(f"{km.label}: {missing} are needed with the rest of {hf_name!r} to write it")
+            out[f"{km.hf_layers_prefix}.{layer}.{hf_name}"] = km.packed[hf_name].pack(*(parts[p] for p in wanted))
         return out
 
     def _split_experts(self, layer: int, template: str, value: Tensor, key: str) -> dict[str, Tensor]:
@@ -172,6 +198,11 @@ class StateDictAdapter:
                 layer = self._block_layer(m.group(1), km.expert_kind, key)
                 grouped, j = expert
                 out.update(self._add_expert(f"{km.layers_prefix}.{layer}.{grouped}", j, value, key))
+            elif name in km.packed:
+                layer = self._block_layer(m.group(1), km.expert_kind, key)
+                parts = km.packed[name]
+                out.update({f"{km.layers_prefix}.{layer}.{part}": t
+                            for part, t in zip(parts.parts, parts.unpack(value))})
             elif name in km.fused_experts:
                 layer = self._block_layer(m.group(1), km.expert_kind, key)
                 parts = km.fused_experts[name]

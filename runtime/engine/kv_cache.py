@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from meshrl.models.common.attention import attention_with_sinks, window_mask
 from meshrl.runtime.engine.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
@@ -296,9 +297,11 @@ def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
     return cache.permute(2, 0, 1, 3)[:, tables].flatten(2, 3)
 
 
-def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
     """q (B, Hq, T, D), k (Hkv, B, L, D), v (Hkv, B, L, Dv) head-major, mask (B, 1, T, L) bool -> (B, Hq, T, Dv).
-    `scale` of the scores: 1/sqrt(D) when None.
+    `scale` of the scores: 1/sqrt(D) when None. `sinks` (Hq,): one extra logit per query head
+    whose value is zero (gpt-oss; models/common/attention.py's `attention_with_sinks`).
 
     The Hq / Hkv query heads that share a kv head are stacked along the query length, so a
     masked (memory-efficient) kernel runs GQA without repeating k/v; (kv head, row) are the
@@ -309,28 +312,34 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | N
     group = num_q_heads // num_kv_heads
     qf = q.reshape(B, num_kv_heads, group * T, D).transpose(0, 1)  # head h = kv_head * group + j -> rows j * T + t
     maskf = (mask.repeat(1, 1, group, 1) if group > 1 else mask).transpose(0, 1)  # (1, B, group * T, L)
-    if group * T <= 8:
+    if group * T <= 8 or sinks is not None:
         # A few query rows (decode): plain matmuls with an fp32 softmax run ~10x faster on CPU
         # than SDPA's masked kernels, which are built for long query blocks.
         scores = (qf @ k.transpose(-1, -2)).float() * (D**-0.5 if scale is None else scale)  # (Hkv, B, group*T, L)
-        weights = torch.softmax(scores.masked_fill(~maskf, float("-inf")), dim=-1)
-        out = weights.to(v.dtype) @ v
+        scores = scores.masked_fill(~maskf, float("-inf"))
+        if sinks is not None:  # row j * T + t of kv head h is query head h * group + j
+            sink = sinks.float().view(num_kv_heads, 1, group, 1, 1).expand(-1, B, -1, T, 1)
+            scores = torch.cat([scores, sink.reshape(num_kv_heads, B, group * T, 1)], dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        out = (weights[..., :-1] if sinks is not None else weights).to(v.dtype) @ v
     else:
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf, scale=scale)
     return out.transpose(0, 1).reshape(B, num_q_heads, T, v.shape[-1])
 
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                              positions: Tensor) -> Tensor:
+                              positions: Tensor, window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """The torch backend. q (B, Hq, T, D) at positions (B, T); tables (B, nb) cover every position.
 
-    Query at position p sees cached keys 0..p of its row (causal within the new tokens).
+    Query at position p sees cached keys 0..p of its row (causal within the new tokens), with a
+    sliding `window` only p - window < key position; `sinks` as in `grouped_sdpa`.
     """
     keys = gather_blocks(k_cache, tables)  # (Hkv, B, L, D)
     values = gather_blocks(v_cache, tables)
     key_pos = torch.arange(keys.shape[2], device=q.device)
-    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, L)
-    return grouped_sdpa(q, keys, values, mask)
+    diff = positions[:, :, None] - key_pos[None, None, :]  # (B, T, L)
+    mask = (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+    return grouped_sdpa(q, keys, values, mask[:, None], sinks=sinks)
 
 
 def check_fits(cache: Tensor, slots: Tensor, x: Tensor) -> None:
@@ -379,19 +388,28 @@ class PagedAttention:
         self.backend = backend
         self.fresh = fresh
 
-    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); k/v are written to the cache first."""
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+        """q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); k/v are written to the cache first.
+
+        A sliding `window` or `sinks` (gpt-oss) take the torch path (the Triton kernel has neither);
+        every block stays cached, the window is a mask.
+        """
         k_cache, v_cache = self.cache.layer(layer_id)
         flat = self.slots.reshape(-1)
         check_fits(v_cache, flat, v)  # both checked before either is written
         write_slots(k_cache, flat, k)
         write_slots(v_cache, flat, v)
-        if self.fresh:
+        plain = window is None and sinks is None
+        if self.fresh and plain:
             # Right padding sits after every real token, so causal attention never reads it.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        if self.backend == "triton":
+        if self.fresh:
+            idx = torch.arange(q.shape[2], device=q.device)
+            return attention_with_sinks(q, k, v, window_mask(idx, idx, window)[None, None], sinks)
+        if self.backend == "triton" and plain:
             return paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens)
-        return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions)
+        return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions, window, sinks)
 
     def attend_latent(self, layer_id: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
                       wkv_b: Tensor, v_head_dim: int) -> Tensor:

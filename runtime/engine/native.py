@@ -91,7 +91,7 @@ class _Probe:
     def __init__(self) -> None:
         self.layers: list[tuple[int, int, int, int]] = []
 
-    def attend(self, layer_id, q, k, v):
+    def attend(self, layer_id, q, k, v, window=None, sinks=None):
         self.layers.append((layer_id, k.shape[1], k.shape[3], v.shape[3]))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
