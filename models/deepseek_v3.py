@@ -16,10 +16,11 @@ The architecture, as transformers' `DeepseekV3ForCausalLM` computes it:
   (the same `Routing`: sigmoid in fp32, frozen score-correction bias for the choice only,
   grouped top-k, renormalised + 1e-20, times routed_scaling_factor; ungated shared experts).
 
-Checkpoints carry the multi-token-prediction module as layer n_layers (61 in DeepSeek-V3);
-`num_mtp_layers` of them are dropped on load, as transformers drops them. Refused for now:
-RoPE scaling (the released DeepSeek-V3 uses yarn: its frequencies and its softmax mscale are
-not implemented here yet) and any topk_method other than "noaux_tc".
+RoPE is plain or YaRN (the released DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1), whose
+softmax factor mscale(factor, mscale_all_dim)^2 the attention folds into q, as transformers'
+`yarn_apply_mscale` does. Checkpoints carry the multi-token-prediction module as layer n_layers
+(61 in DeepSeek-V3); `num_mtp_layers` of them are dropped on load, as transformers drops them.
+Refused: other RoPE scalings and any topk_method other than "noaux_tc".
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from meshrl.models.common.init import NORMAL, ONES, RESIDUAL, Constant
 from meshrl.models.common.mla import MLAttention, mla_keys
 from meshrl.models.common.moe import MoE, Routing
 from meshrl.models.common.norm import RMSNorm
-from meshrl.models.common.rope import RotaryEmbedding
+from meshrl.models.common.rope import RotaryEmbedding, YarnRopeScaling
 from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
 MODEL_TYPE = "deepseek_v3"
@@ -76,6 +77,7 @@ class DeepseekV3Args:
     attention_bias: bool = False
     rope_interleave: bool = True
     rope_theta: float = 10_000.0
+    rope_scaling: YarnRopeScaling | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_seq_len: int = 4096
@@ -106,7 +108,8 @@ class DeepseekV3Args:
     def from_hf_config(cls, config: dict[str, Any]) -> DeepseekV3Args:
         """Read an HF DeepSeek-V3 `config.json` dict; features this file does not implement raise ValueError."""
         _check_hf_config(config)
-        rope = config.get("rope_parameters") or {}
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        yarn = rope.get("rope_type", rope.get("type", "default")) == "yarn"
         return cls(
             vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
             n_heads=config["num_attention_heads"], q_lora_rank=config.get("q_lora_rank"),
@@ -121,6 +124,7 @@ class DeepseekV3Args:
             first_dense=config.get("first_k_dense_replace", 0), attention_bias=config.get("attention_bias", False),
             rope_interleave=config.get("rope_interleave", True),
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+            rope_scaling=YarnRopeScaling.from_hf(rope) if yarn else None,
             norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False),
             max_seq_len=config.get("max_position_embeddings", 4096),
             num_mtp_layers=config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)),
@@ -130,6 +134,8 @@ class DeepseekV3Args:
                      eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
         """An HF `config.json` dict that transformers' DeepseekV3ForCausalLM loads (4.5x and 5.x)."""
         dtype_name = str(dtype).removeprefix("torch.")
+        rope = ({"rope_type": "default", "rope_theta": self.rope_theta} if self.rope_scaling is None
+                else self.rope_scaling.to_hf(self.rope_theta))
         return {
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": MODEL_TYPE, "vocab_size": self.vocab_size,
             "hidden_size": self.dim, "intermediate_size": self.hidden_dim,
@@ -145,7 +151,8 @@ class DeepseekV3Args:
             "attention_bias": self.attention_bias, "rope_interleave": self.rope_interleave,
             "num_nextn_predict_layers": self.num_mtp_layers, "hidden_act": "silu",
             "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            # Both spellings: transformers 4.x reads rope_scaling, 5.x rope_parameters.
+            "rope_parameters": rope, "rope_scaling": None if self.rope_scaling is None else rope,
             "tie_word_embeddings": self.tie_embeddings, "attention_dropout": 0.0, "use_cache": True,
             "initializer_range": 0.02, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
             "pad_token_id": pad_token_id, "torch_dtype": dtype_name, "dtype": dtype_name,
@@ -166,16 +173,17 @@ def _check_hf_config(config: dict[str, Any]) -> None:
     n_heads = config["num_attention_heads"]
     if (config.get("num_key_value_heads") or n_heads) != n_heads:
         raise ValueError("DeepSeek-V3 with num_key_value_heads != num_attention_heads is not supported")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default" or config.get("rope_scaling"):
-        raise ValueError(f"DeepSeek-V3 with RoPE scaling (rope_parameters={rope!r}, rope_scaling="
-                         f"{config.get('rope_scaling')!r}) is not supported yet (yarn is not implemented)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "yarn"):
+        raise ValueError(f"DeepSeek-V3 RoPE {rope!r} is not supported (default or yarn)")
 
 
 _V3 = DeepseekV3Args(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, hidden_dim=18432, moe_hidden_dim=2048,
                      num_experts=256, num_shared_experts=1, top_k=8, routed_scaling_factor=2.5, n_group=8,
-                     topk_group=4, first_dense=3, max_seq_len=163840, num_mtp_layers=1)
+                     topk_group=4, first_dense=3, max_seq_len=163840, num_mtp_layers=1,
+                     rope_scaling=YarnRopeScaling(factor=40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
+                                                  mscale=1.0, mscale_all_dim=1.0))
 
 FLAVORS: dict[str, DeepseekV3Args] = {
     # q LoRA, v narrower than q/k, grouped routing with scaling, a dense first layer.
@@ -185,7 +193,7 @@ FLAVORS: dict[str, DeepseekV3Args] = {
     # groups of which 2 eligible) with 32 experts: 5.75B parameters, 2.84B active, one GPU.
     "bench-mla-6B": replace(_V3, dim=4096, n_layers=8, n_heads=64, hidden_dim=11264, moe_hidden_dim=1408,
                             num_experts=32, n_group=4, topk_group=2, first_dense=1),
-    # The released shape (its real weights need yarn RoPE, not implemented yet).
+    # The released shape and RoPE (YaRN, factor 40).
     "671B-A37B": _V3,
 }
 
@@ -227,7 +235,8 @@ class TransformerBlock(nn.Module):
         self.attention = MLAttention(args.dim, args.n_heads, layer_id, q_lora_rank=args.q_lora_rank,
                                      kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
                                      qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
-                                     bias=args.attention_bias, rope_interleave=args.rope_interleave)
+                                     bias=args.attention_bias, rope_interleave=args.rope_interleave,
+                                     softmax_scale=1.0 if args.rope_scaling is None else args.rope_scaling.softmax_scale)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.is_moe = args.is_moe_layer(layer_id)
         if self.is_moe:
@@ -250,7 +259,7 @@ class DeepseekV3(DecoderLM):
     init_rules = INIT_RULES
 
     def __init__(self, args: DeepseekV3Args) -> None:
-        super().__init__(args, RotaryEmbedding(args.qk_rope_head_dim, args.rope_theta),
+        super().__init__(args, RotaryEmbedding(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling),
                          [TransformerBlock(args, i) for i in range(args.n_layers)])
 
 

@@ -5,6 +5,7 @@
     q_r, k_r rotated (DeepSeek's interleaved pairs, or HF's halves)    k_r is shared by all heads
     k_n, v  = split(wkv_b c, [Dn, Dv]) per head                        (B, H, T, Dn), (B, H, T, Dv)
     out     = wo attend(cat(q_n, q_r), cat(k_n, k_r), v)               softmax scale 1/sqrt(Dn + Dr)
+                                                                       (times YaRN's mscale^2, folded into q)
 
 The keys have Dn + Dr dims and the values Dv: contexts must keep both (the engine's KV cache
 does, common to every layer shape).
@@ -39,13 +40,16 @@ class MLAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, layer_id: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool = False,
-                 rope_interleave: bool = True) -> None:
+                 rope_interleave: bool = True, softmax_scale: float = 1.0) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.n_heads = n_heads
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.rope_interleave = rope_interleave
+        # YaRN's extra softmax factor (DeepSeek-V3: mscale^2), folded into q: the contract's scale
+        # is 1/sqrt(q/k head dim).
+        self.softmax_scale = softmax_scale
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.wq = nn.Linear(dim, n_heads * qk_head_dim, bias=False)
@@ -62,6 +66,8 @@ class MLAttention(nn.Module):
         """x (B, T, dim) -> q_nope (B, H, T, Dn), q_rope (B, H, T, Dr), latent (B, T, R), k_rope (B, 1, T, Dr)."""
         B, T, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        if self.softmax_scale != 1.0:
+            q = q * self.softmax_scale
         q = q.view(B, T, self.n_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

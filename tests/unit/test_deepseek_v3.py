@@ -4,11 +4,14 @@ cache), and the config."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
 
 from meshrl.models import get_family
+from meshrl.models.common.rope import YarnRopeScaling
 from meshrl.models.deepseek_v3 import FLAVORS, DeepseekV3, DeepseekV3Args, DeepseekV3StateDictAdapter
 from tests.family_checks import (build_random, check_engine, check_hub_folders, check_logits_and_grads,
                                  check_packed_documents, hf_twin)
@@ -23,10 +26,14 @@ def tiny_args(**overrides) -> DeepseekV3Args:
     return DeepseekV3Args(**{**base, **overrides})
 
 
-# DeepSeek-V3 itself (q LoRA, interleaved RoPE); DeepSeek-V2-Lite-like (no q LoRA, HF's half
-# layout RoPE, two shared experts, tied head, biases, one group).
-CASES = [dict(), dict(q_lora_rank=None, rope_interleave=False, num_shared_experts=2, tie_embeddings=True,
-                      attention_bias=True, n_group=1, topk_group=1, routed_scaling_factor=1.0, v_head_dim=16)]
+# DeepSeek-V3 itself (q LoRA, interleaved RoPE, YaRN with its softmax mscale: factor 40 over an
+# original context of 8 tokens, so the test positions fall in every band); DeepSeek-V2-Lite-like
+# (no q LoRA, HF's half layout RoPE, two shared experts, tied head, biases, one group, plain RoPE).
+YARN = YarnRopeScaling(factor=40.0, original_max_seq_len=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                       mscale_all_dim=1.0)
+CASES = [dict(rope_scaling=YARN),
+         dict(q_lora_rank=None, rope_interleave=False, num_shared_experts=2, tie_embeddings=True,
+              attention_bias=True, n_group=1, topk_group=1, routed_scaling_factor=1.0, v_head_dim=16)]
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=["v3", "lite-like"])
@@ -65,8 +72,14 @@ def test_flavors_and_config_round_trip():
     adapter = DeepseekV3StateDictAdapter(FLAVORS["debug"])
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_b_proj.bias"):
         adapter.from_hf({"model.layers.0.self_attn.q_b_proj.bias": torch.zeros(1)})
-    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "rope_theta": 1e4}
-    for bad, match in [({"rope_parameters": yarn}, "yarn"), ({"topk_method": "greedy"}, "topk_method"),
+    # The hub's config.json spells YaRN as a 4.x rope_scaling with "type".
+    hub = {**FLAVORS["671B-A37B"].to_hf_config(), "rope_parameters": None, "rope_theta": 10000.0,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"}}
+    assert DeepseekV3Args.from_hf_config(hub) == FLAVORS["671B-A37B"]
+    assert FLAVORS["671B-A37B"].rope_scaling.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    for bad, match in [({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "linear"),
+                       ({"topk_method": "greedy"}, "topk_method"),
                        ({"num_key_value_heads": 2}, "num_key_value_heads"), ({"hidden_act": "gelu"}, "hidden_act")]:
         with pytest.raises(ValueError, match=match):
             DeepseekV3Args.from_hf_config({**FLAVORS["debug"].to_hf_config(), **bad})
