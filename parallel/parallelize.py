@@ -182,7 +182,11 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     for name, param in model.named_parameters():
         t = param.detach()
-        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if isinstance(t, DTensor):
+            # one rank holds all of it: its local tensor, without a collective per parameter (on one
+            # H200 at the 0.6B shape, a colocated weight sync went from 46-72 ms to 12-22 ms)
+            local = t.to_local() if t.device_mesh.size() == 1 else None
+            t = local if local is not None and local.shape == t.shape else t.full_tensor()
         gather = ep_gather_for(model, name)  # the module knows; fully_shard dropped param attributes
         yield name, (gather(t) if gather is not None else t)
 
