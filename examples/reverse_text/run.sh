@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reverse-text demo: supervised warm-up of a tiny char-level Qwen3, then asynchronous RL.
-# Runs on a CPU-only machine; on a CUDA machine expose 2 GPUs (CUDA_VISIBLE_DEVICES=0,1).
+# Runs on a CPU-only machine; on one GPU the trainer and the engine share it (layout.colocate =
+# "auto"); with two GPUs exposed (CUDA_VISIBLE_DEVICES=0,1) each gets its own.
 # Extra arguments go to the RL stage, e.g.: bash examples/reverse_text/run.sh --max-steps 40
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
