@@ -1,6 +1,7 @@
 """Every native MoE family: one RL step of the real Trainer with expert parallelism (EP 2 over
 FSDP 2, full or selective activation checkpointing, with and without torch.compile) equals the
-single-process (EP 1) step, on 2 gloo ranks; so does context parallelism (cp 2).
+single-process (EP 1) step, on 2 gloo ranks; so does context parallelism (cp 2). A hub-layout
+folder loads straight into FSDP2 + EP shards.
 
 Same harness as test_parallel_trainer.py: loss statistics and every updated parameter must match
 the reference within fp32 round-off, and the step must move every trainable parameter (frozen
@@ -95,3 +96,37 @@ def test_context_parallel_step_equals_single_process(tmp_path, family):
         torch.testing.assert_close(got["params"][name], param.detach(), rtol=1e-5, atol=2e-6, msg=name)
     for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "loss_tokens"):
         assert abs(got["stats"][key] - ref_stats[key]) <= 1e-5 * max(1.0, abs(ref_stats[key])), key
+
+
+def _load_job(rank, world_size, folder, out):
+    from meshrl.runtime.config import ModelConfig
+    from meshrl.runtime.policy import build_trainer_policy
+
+    dims = ParallelDims.resolve(world_size, dp_shard=world_size, ep=world_size)
+    meshes = build_meshes(dims, list(range(world_size)), rank, "cpu")
+    model, _ = build_trainer_policy(ModelConfig(path=str(folder)), torch.device("cpu"),
+                                    lambda m: parallelize(m, meshes, torch.float32))
+    full = {k: v.clone() for k, v in full_tensors(model)}
+    if rank == 0:
+        torch.save(full, out / "full.pt")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_folder_loads_into_fsdp_and_expert_shards(tmp_path, family):
+    """The folder transformers writes (hub layout) read straight into FSDP2 + EP 2 shards, each
+    rank its own pieces, equals the one-process load bit for bit once gathered."""
+    import transformers
+
+    from meshrl.models.hf import load_hf_model, save_hf_model
+
+    fam = get_family(family)
+    args = fam.flavors["debug"]
+    save_hf_model(make_model(family), args, tmp_path / "ours")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).save_pretrained(
+        tmp_path / "hub")
+    run_ranks(_load_job, 2, tmp_path / "hub", tmp_path)
+    got = torch.load(tmp_path / "full.pt")
+    ref = dict(load_hf_model(tmp_path / "hub")[0].named_parameters())
+    assert got.keys() == ref.keys()
+    for name, value in ref.items():
+        assert torch.equal(got[name], value.detach()), name
