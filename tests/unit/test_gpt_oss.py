@@ -79,3 +79,21 @@ def test_flavors_and_config_round_trip():
             GptOssArgs.from_hf_config({**FLAVORS["debug"].to_hf_config(), **bad})
     with pytest.raises(ValueError, match="gate_up_proj_blocks"):
         GptOssStateDictAdapter(FLAVORS["debug"]).from_hf({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["swiglu", "biases-clamped"])
+def test_grouped_gemm_path_equals_the_expert_loop(bias, monkeypatch):
+    """The path CUDA takes in bf16 (torch._grouped_mm, which also runs on CPU), biases gathered per
+    row, equals the per-expert loop; an expert with no rows included."""
+    from meshrl.models.common import moe
+    from meshrl.models.common.moe import ClampedSwiGLU, GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 8, 4, bias=bias, activation=ClampedSwiGLU() if bias else None)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 1.0)
+    x, counts = torch.randn(11, 16), torch.tensor([3, 0, 5, 3])
+    loop = experts(x, counts)
+    monkeypatch.setattr(moe, "_grouped_mm_ok", lambda x, w: True)
+    torch.testing.assert_close(experts(x, counts), loop, rtol=1e-5, atol=1e-5)
