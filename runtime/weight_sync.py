@@ -185,6 +185,9 @@ class SharedBuffer:
             os.unlink(descriptor["path"])
 
 
+_COPY_GROUP = 64
+
+
 class ColocatedSender:
     """Trainer rank k's side of the colocated weight path (module docstring). Every trainer rank
     has one; `send` is a collective over the trainer mesh (full-tensor gathers)."""
@@ -194,6 +197,7 @@ class ColocatedSender:
         self.entries, numel = flat_plan(model)
         self.buffer, self.descriptor = SharedBuffer.create(numel, dtype, device)
         self.descriptor["fingerprint"] = _fingerprint(self.entries, dtype)
+        self.views = [self.buffer[o:o + math.prod(shape)].view(shape) for o, shape in self.entries]
         self.device, self.peer, self.to_peer, self.from_peer = device, peer, to_peer, from_peer
         self.pending: int | None = None  # the version written that the engine has not copied yet
         self._signal: dist.Work | None = None
@@ -203,9 +207,13 @@ class ColocatedSender:
     def send(self, model: nn.Module, version: int) -> None:
         if self.pending is not None:
             self._wait_copied()
-        buffer = self.buffer
-        for (offset, shape), (_, tensor) in zip(self.entries, full_tensors(model), strict=True):
-            buffer[offset:offset + math.prod(shape)].view(shape).copy_(tensor)
+        # cast-copies in groups (one foreach launch each): few host calls, and with sharded
+        # parameters at most _COPY_GROUP gathered full tensors alive at once
+        tensors = full_tensors(model)
+        for start in range(0, len(self.views), _COPY_GROUP):
+            views = self.views[start:start + _COPY_GROUP]
+            torch._foreach_copy_(views, [next(tensors)[1] for _ in views])
+        assert next(tensors, None) is None, "the buffer's plan does not cover every parameter"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if not self._announced:  # the engine waits for it while it starts
