@@ -213,7 +213,26 @@ def read_manifest(path: Path, verify: bool = False) -> dict[str, Any]:
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise ValueError(f"file {bad[0]} does not match its checksum{more}: changed after the save")
+        read_dcp_metadata(path, manifest)  # a crafted one is refused here too, before any rank loads
     return manifest
+
+
+def read_dcp_metadata(path: Path, manifest: dict[str, Any], expected: set[str] | None = None,
+                      what: str = f"{TRAINER_DIR}/.metadata"):
+    """The trainer's DCP metadata of checkpoint `path`, through the allow-listed unpickler and
+    `_check_metadata` (tensors only; storage only in files the manifest lists; with `expected`,
+    exactly these entries). ValueError naming the problem."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO((path / TRAINER_DIR / ".metadata").read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+        raise ValueError(f"{what} cannot be read safely: {e}") from None
+    _check_metadata(metadata, expected, _trainer_files(manifest), what)
+    return metadata
+
+
+def _trainer_files(manifest: dict[str, Any]) -> set[str]:
+    """The DCP files a manifest lists, relative to the trainer folder (as DCP's metadata names them)."""
+    return {rel.removeprefix(f"{TRAINER_DIR}/") for rel in manifest["files"] if rel.startswith(f"{TRAINER_DIR}/")}
 
 
 def find_checkpoint(root: Path, step: int | None = None, verify: bool = True,
@@ -535,7 +554,7 @@ def _check_metadata(metadata, expected: set[str] | None, files: set[str] | None,
     entries = metadata.state_dict_metadata
     objects = sorted(k for k, md in entries.items() if not isinstance(md, TensorStorageMetadata))
     if objects:
-        raise ValueError(f"{what}: its metadata declares {objects[:3]} as pickled objects ({type(entries[objects[0]]).__name__}), "
+        raise ValueError(f"{what} declares {objects[:3]} as pickled objects ({type(entries[objects[0]]).__name__}), "
                          "which DCP would load with torch.load(weights_only=False); a meshrl checkpoint holds tensors "
                          "only, so it is refused")
     if expected is not None and set(entries) != expected:
@@ -545,7 +564,7 @@ def _check_metadata(metadata, expected: set[str] | None, files: set[str] | None,
                          f"{' ...' if len(missing) > 5 else ''}")
     stored = {info.relative_path for info in metadata.storage_data.values()}
     if files is not None and not stored <= files:
-        raise ValueError(f"{what}: its metadata points at files the manifest does not list: {sorted(stored - files)[:5]}")
+        raise ValueError(f"{what} points at files the manifest does not list: {sorted(stored - files)[:5]}")
 
 
 def _safe_reader(path: Path, expected: set[str] | None = None, files: set[str] | None = None,
@@ -777,9 +796,10 @@ class TrainerCheckpointer:
         start = time.perf_counter()
         check_shapes(self.trainer.model, manifest)
         state, msd, osd = trainer_state(self.trainer, self.meshes)
-        files = {rel.removeprefix(f"{TRAINER_DIR}/") for rel in manifest["files"] if rel.startswith(f"{TRAINER_DIR}/")}
-        reader = _safe_reader(path / TRAINER_DIR, set(_flat_keys(state)), files, f"checkpoint {path.name}")
-        reader.read_metadata()  # the checks, on every rank, before DCP's collectives
+        expected = set(_flat_keys(state))
+        # the checks, on every rank, before DCP's collectives
+        read_dcp_metadata(path, manifest, expected, f"checkpoint {path.name}: {TRAINER_DIR}/.metadata")
+        reader = _safe_reader(path / TRAINER_DIR, expected, _trainer_files(manifest), f"checkpoint {path.name}")
         dcp.load(state, storage_reader=reader, planner=_tensors_only_planner(), process_group=self.group)
         set_model_state_dict(self.trainer.model, msd)
         set_optimizer_state_dict(self.trainer.model, self.trainer.optimizer, osd)

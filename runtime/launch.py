@@ -54,8 +54,8 @@ from typing import Any
 
 from meshrl.runtime.config import Base, ConfigError, load_config
 from meshrl.runtime.liveness import start_liveness
-from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, lock_run_dir, log, restart_count, write_config,
-                                   write_error)
+from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, lock_run_dir, log, restart_count, unlock_run_dir,
+                                   write_config, write_error)
 
 EXIT_CONFIG = 2
 
@@ -128,7 +128,10 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
     env[LOCK_ENV] = f"host {socket.gethostname()} pid {os.getpid()}"
-    code, stopped_by = run_forwarding_signals(cmd, env)
+    try:
+        code, stopped_by = run_forwarding_signals(cmd, env)
+    finally:
+        unlock_run_dir(run_dir)
     rows = restarts.read_text().splitlines()[before:] if restarts.is_file() else []
     num_restarts = sum(json.loads(r)["restart"] > 0 for r in rows)
     if num_restarts:
@@ -152,7 +155,8 @@ def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, si
         got.append(signal.Signals(signum))
         proc.send_signal(signal.SIGKILL if len(got) > 1 else signum)  # the agent stops its ranks
 
-    previous = {sig: signal.signal(sig, forward) for sig in EXIT_SIGNAL}
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = {sig: signal.signal(sig, forward) for sig in EXIT_SIGNAL} if main else {}
     try:
         code = proc.wait()
     finally:
@@ -314,11 +318,12 @@ def rank_main(cls: type[Base], argv: list[str], preflight: Callable[[Base], None
         liveness.close()
 
 
-def on_silent(run_dir: Path, rank: int, silent: int, message: str, beat: dict[str, Any]) -> None:
+def on_silent(run_dir: Path, rank: int, silent: int, message: str, beat: dict[str, Any] | None) -> None:
     """A watched rank fell silent (runtime/liveness.py). On this host: its error file says so and it
-    is killed (torchrun then ends or restarts the job). Elsewhere: this rank fails with the message."""
+    is killed (torchrun then ends or restarts the job). Elsewhere, or when the store itself stopped
+    answering (no beat): this rank fails with the message."""
     log.error("%s", message)
-    if beat["host"] == socket.gethostname():
+    if beat is not None and beat["host"] == socket.gethostname():
         write_error(run_dir, silent, beat["role"], f"HeartbeatTimeout: {message}; killed by rank {rank}")
         print(f"[rank {rank} {ACTIVITY['role']}] {message}; killing it", file=sys.stderr, flush=True)
         try:

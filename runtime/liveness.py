@@ -10,10 +10,11 @@ channel timeouts (dist.message_timeout_s, an hour). So every rank runs one threa
                 whose n has not changed for the timeout, measured on the watcher's own clock (no
                 clock skew), is reported and the job ends.
 
-Reporting is `on_silent(rank, message, beat)`; the rank program's (runtime/launch.py) writes the message as
-this rank's error file, kills the silent process if it runs on this host (a stopped process
-otherwise delays torchrun's teardown by its 30 s grace period) and exits, so torchrun ends the
-job, or restarts it under dist.max_restarts. `role` and `phase` come from runtime/rundir.py's
+Reporting is `on_silent(rank, message, beat)`; the rank program's (runtime/launch.py) writes the
+message into the silent rank's error file and kills it if it runs on this host (a stopped process
+otherwise delays torchrun's teardown by its 30 s grace period), or fails this rank with it, so
+torchrun ends the job, or restarts it under dist.max_restarts. A store that stops answering
+(its host froze) is reported the same way, with rank -1 and no beat. `role` and `phase` come from runtime/rundir.py's
 ACTIVITY (set by setup_logging and by every Heartbeat.set): the message names the rank, its role
 and its last activity. A rank that finishes publishes `done` and is not watched after that.
 
@@ -53,7 +54,7 @@ class Liveness:
     """One rank's heartbeat thread: publish its own beat, watch its peers' (see the module docstring)."""
 
     def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, timeout_s: float, prefix: str,
-                 on_silent: Callable[[int, str, dict[str, Any]], None]):
+                 on_silent: Callable[[int, str, dict[str, Any] | None], None]):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.interval_s = interval_for(timeout_s)
         self.prefix = prefix
@@ -83,12 +84,17 @@ class Liveness:
         self._thread.join(timeout=2 * self.interval_s + 1)
 
     def _run(self) -> None:
-        store = self._store_factory()
-        while not self._done.is_set():
-            store.set(self.key(self.rank), json.dumps(self.beat()))
-            self.check(store, time.monotonic())
-            self._done.wait(self.interval_s)
-        store.set(self.key(self.rank), json.dumps(self.beat(done=True)))
+        import torch.distributed as dist
+
+        try:
+            store = self._store_factory()
+            while not self._done.is_set():
+                store.set(self.key(self.rank), json.dumps(self.beat()))
+                self.check(store, time.monotonic())
+                self._done.wait(self.interval_s)
+            store.set(self.key(self.rank), json.dumps(self.beat(done=True)))
+        except (dist.DistStoreError, dist.DistNetworkError) as e:  # its host (agent or rank 0) froze or went
+            self.on_silent(-1, f"torchrun's store did not answer this rank's heartbeats: {e}", None)
 
     def check(self, store, now: float) -> None:
         """Read the watched ranks' beats; report the first one silent for longer than the timeout."""
@@ -103,11 +109,12 @@ class Liveness:
             if last is None or last[0] != beat["n"]:
                 self._seen[r] = (beat["n"], now, beat)
             elif now - last[1] > self.timeout_s:
+                self.watched.remove(r)  # reported once; torchrun ends or restarts the job
                 self.on_silent(r, describe(r, beat, now - last[1]), beat)
                 return
 
 
-def start_liveness(timeout_s: float, on_silent: Callable[[int, str, dict[str, Any]], None]) -> Liveness | None:
+def start_liveness(timeout_s: float, on_silent: Callable[[int, str, dict[str, Any] | None], None]) -> Liveness | None:
     """Start this rank's heartbeat thread under torchrun (None outside torchrun: nothing to watch)."""
     env = os.environ
     if "MASTER_ADDR" not in env or "RANK" not in env or int(env.get("WORLD_SIZE", "1")) < 2:

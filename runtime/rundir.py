@@ -78,6 +78,13 @@ def lock_run_dir(run_dir: Path) -> None:
     _held_locks[str(path.resolve())] = fd
 
 
+def unlock_run_dir(run_dir: Path) -> None:
+    """Give RUN_DIR/job.lock back (the job that held it has ended)."""
+    fd = _held_locks.pop(str((run_dir / LOCK_FILE).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
 def check_run_dir_free(run_dir: Path) -> None:
     """ValueError naming the holder if another job holds RUN_DIR's lock (this process may hold it)."""
     path = run_dir / LOCK_FILE

@@ -364,7 +364,8 @@ def test_metadata_is_loaded_without_arbitrary_pickle(tmp_path):
 
 def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     """The exploit of issue 13: with DCP's own reader and planner the payload runs (and the
-    parameter is silently left as it was); ours refuses the checkpoint before reading a byte."""
+    parameter is silently left as it was); ours refuses the checkpoint before reading a byte, both
+    when rank 0 picks the checkpoint to resume from (it is skipped) and when a trainer loads it."""
     import torch.distributed.checkpoint as dcp
 
     t = _trainer()
@@ -372,14 +373,21 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     _save(t, tmp_path, 1)
     marker = tmp_path / "PWNED"
     plant_exploit(tmp_path / "step_1", marker)
-    _, path, manifest = ckpt.find_checkpoint(tmp_path)  # the checksums match: the attacker rewrote them
+    path = tmp_path / "step_1"
+    manifest = ckpt.read_manifest(path)
+    # rank 0 skips it when it picks the checkpoint to resume from (the checksums match: rewritten)
+    with pytest.raises(ValueError, match=r"trainer/.metadata declares \['model.tok_embeddings.weight'\] as "
+                                         r"pickled objects \(BytesStorageMetadata\)"):
+        ckpt.read_manifest(path, verify=True)
+    assert ckpt.find_checkpoint(tmp_path) is None and not marker.exists()
     # the exploit is real: DCP's default reader runs the payload
     state, _, _ = ckpt.trainer_state(_trainer())
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "trainer")))
     assert marker.read_text().strip() == "pwned"
     marker.unlink()
     b = _trainer()
-    with pytest.raises(ValueError, match=r"declares \['model.tok_embeddings.weight'\] as pickled objects"):
+    with pytest.raises(ValueError, match=r"checkpoint step_1: trainer/.metadata declares "
+                                         r"\['model.tok_embeddings.weight'\] as pickled objects"):
         ckpt.TrainerCheckpointer(b, None, None, True, CheckpointConfig(), {}).load(path, manifest)
     assert not marker.exists()
     # the second lock: the planner refuses byte entries even if a reader let one through
@@ -419,7 +427,9 @@ def _with_extra(md, name):
 def _manifest_dir(root: Path, step: int, **overrides) -> None:
     tmp = ckpt.begin(root, step, {"controller.json": {}, ckpt.TRAINER_FILE: {}})
     (tmp / ckpt.TRAINER_DIR).mkdir()
-    (tmp / ckpt.TRAINER_DIR / ".metadata").write_bytes(b"")
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (tmp / ckpt.TRAINER_DIR / ".metadata").write_bytes(pickle.dumps(Metadata({}, storage_data={})))
     ckpt.finalize(tmp, {"kind": "rl", "step": step, "model": MODEL, "env": None, "shapes": {}, "layout": {},
                         **overrides})
 
