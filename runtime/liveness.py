@@ -5,7 +5,8 @@ swapping, a driver stuck in the kernel) keeps them open, and its peers would wai
 channel timeouts (dist.message_timeout_s, an hour). So every rank runs one thread that
 
     publishes   meshrl/attempt-A/heartbeat/R = {n, role, phase, since, host, pid, time}
-                on torchrun's store every interval (timeout / 6, at most 5 s), and
+                on torchrun's store every interval (timeout / 6, at most 5 s; at once when the
+                rank learns its role), and
     watches     rank 0 watches every other rank, every other rank watches rank 0: a watched rank
                 whose n has not changed for the timeout, measured on the watcher's own clock (no
                 clock skew), is reported and the job ends.
@@ -45,9 +46,10 @@ def interval_for(timeout_s: float) -> float:
 
 def describe(rank: int, beat: dict[str, Any], silent_s: float) -> str:
     """One line: which rank fell silent, its role, and its last known activity."""
-    since = time.strftime("%H:%M:%S", time.localtime(beat["since"]))
+    clock = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
     return (f"rank {rank} ({beat['role']}) sent no heartbeat for {silent_s:.1f}s (dist.heartbeat_timeout_s); "
-            f"its last activity: {beat['phase']!r} since {since}, on host {beat['host']} pid {beat['pid']}")
+            f"its last activity: {beat['phase']!r} since {clock(beat['since'])} (as of its last heartbeat, "
+            f"{clock(beat['time'])}), on host {beat['host']} pid {beat['pid']}")
 
 
 class Liveness:
@@ -88,10 +90,14 @@ class Liveness:
 
         try:
             store = self._store_factory()
+            role, last = None, -self.interval_s
             while not self._done.is_set():
-                store.set(self.key(self.rank), json.dumps(self.beat()))
-                self.check(store, time.monotonic())
-                self._done.wait(self.interval_s)
+                now = time.monotonic()
+                if now - last >= self.interval_s or ACTIVITY["role"] != role:  # a new role is said at once
+                    role, last = ACTIVITY["role"], now
+                    store.set(self.key(self.rank), json.dumps(self.beat()))
+                    self.check(store, now)
+                self._done.wait(min(0.5, self.interval_s))
             store.set(self.key(self.rank), json.dumps(self.beat(done=True)))
         except (dist.DistStoreError, dist.DistNetworkError) as e:  # its host (agent or rank 0) froze or went
             self.on_silent(-1, f"torchrun's store did not answer this rank's heartbeats: {e}", None)

@@ -72,6 +72,7 @@ def test_heartbeats_name_a_silent_rank_its_role_and_its_last_activity():
     message = silent[0][1]
     assert message.startswith("rank 1 (inference) sent no heartbeat for 6.5s (dist.heartbeat_timeout_s); its last "
                               "activity: 'engine step with weights v3' since ")
+    assert "(as of its last heartbeat, " in message
     assert "on host node7 pid 4242" in message
     # a rank that finished says so and is not watched any more; the others watch rank 0 only
     assert watcher.watched == [2]  # reported once
@@ -82,14 +83,22 @@ def test_heartbeats_name_a_silent_rank_its_role_and_its_last_activity():
     assert interval_for(60.0) == 5.0 and interval_for(3.0) == 0.5
 
 
-def test_a_heartbeat_thread_publishes_and_says_done():
+def test_a_heartbeat_thread_publishes_says_its_new_role_at_once_and_says_done():
+    from meshrl.runtime.rundir import ACTIVITY
+
     store = _store()
-    live = Liveness(lambda: store, 1, 2, 0.6, "meshrl/attempt-0", lambda *a: None).start()
-    time.sleep(0.35)
-    first = json.loads(store.get(live.key(1)))
-    time.sleep(0.35)
-    assert json.loads(store.get(live.key(1)))["n"] > first["n"] and not first["done"]
-    live.close()
+    old_role = ACTIVITY["role"]
+    live = Liveness(lambda: store, 1, 2, 6.0, "meshrl/attempt-0", lambda *a: None).start()  # a beat a second
+    try:
+        time.sleep(0.3)
+        first = json.loads(store.get(live.key(1)))
+        ACTIVITY["role"] = "trainer"  # as setup_logging does once the roles are known
+        time.sleep(0.8)
+        second = json.loads(store.get(live.key(1)))
+        assert second["n"] == first["n"] + 1 and second["role"] == "trainer" and not first["done"]
+    finally:
+        live.close()
+        ACTIVITY["role"] = old_role
     assert json.loads(store.get(live.key(1)))["done"]
 
 
