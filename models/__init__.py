@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import deepseek_v3, glm4_moe, gpt_oss, llama3, minimax_m2, qwen3, qwen3_moe
+from meshrl.models import deepseek_v3, glm4_moe, glm_moe_dsa, gpt_oss, llama3, minimax_m2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,14 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         flavors=gpt_oss.FLAVORS,
         state_dict_adapter=gpt_oss.GptOssStateDictAdapter,
         parallel_plan=gpt_oss.PARALLEL_PLAN,
+    ),
+    "glm_moe_dsa": ModelFamily(
+        name="glm_moe_dsa",
+        args_cls=glm_moe_dsa.GlmMoeDsaArgs,
+        model_cls=glm_moe_dsa.GlmMoeDsa,
+        flavors=glm_moe_dsa.FLAVORS,
+        state_dict_adapter=glm_moe_dsa.GlmMoeDsaStateDictAdapter,
+        parallel_plan=glm_moe_dsa.PARALLEL_PLAN,
     ),
 }
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 
-from meshrl.models.common.attention import attention_with_sinks
+from meshrl.models.common.attention import attention_with_sinks, selected
 
 __all__ = ["cp_local_index", "pad_for_cp", "cp_split", "ContextParallelAttention"]
 
@@ -224,8 +224,9 @@ class ContextParallelAttention:
         return self._windowed[window]
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
-        """Also takes the contract's sliding `window` and `sinks` (models/common/attention.py)."""
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
+        """Also takes the contract's sliding `window`, `sinks` and sparse `index` / `keep`
+        (models/common/attention.py); index keys are gathered like the keys (no gradient)."""
         B, num_q_heads, T_local, D = q.shape
         assert B == 1 and T_local == self.local_index.numel(), \
             f"q {tuple(q.shape)} does not match one row of {self.local_index.numel()} local tokens"
@@ -235,6 +236,13 @@ class ContextParallelAttention:
         kv = kv.permute(1, 2, 0, 3, 4).reshape(1, k.shape[1], -1, k.shape[-1] + v.shape[-1])
         k_all, v_all = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         mask = self.mask(q.device) if window is None else self.windowed_mask(q.device, window)
+        if index is not None or keep is not None:
+            index_keys = None
+            if index is not None:
+                with torch.no_grad():  # (cp, 1, T_local, Di) -> (1, T, Di), rank order like the keys
+                    index_keys = _all_gather_stacked(index[0].contiguous(), self.group)
+                    index_keys = index_keys.permute(1, 0, 2, 3).reshape(1, -1, index[0].shape[-1])
+            mask = selected(mask[:, 0], index_keys, index, keep)
         if sinks is not None:
             return attention_with_sinks(q, k_all, v_all, mask, sinks)
         # Repeat after the gather so only the Hkv heads travel; explicit repeat rather than

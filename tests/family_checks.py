@@ -28,8 +28,8 @@ from meshrl.runtime.engine.native import NativeEngine
 @torch.no_grad()
 def build_random(model_cls: type[nn.Module], args, seed: int = 0, scale: float = 1.0) -> nn.Module:
     """model_cls(args) initialised with `seed` in fp32 on the CPU, then made harder to match by
-    accident: norms and biases away from 1 / 0, decisive routers (N(0, 0.5): near-uniform top-k
-    could flip on 1e-7 differences), a random expert bias (it must steer the choice), and weight
+    accident: norms and biases away from 1 / 0, decisive routers and sparse-attention indexers
+    (N(0, 0.5): near-uniform top-k could flip on 1e-7 differences), a random expert bias (it must steer the choice), and weight
     matrices times `scale` (a tiny model at init std echoes its last token, which would make
     greedy parity vacuous)."""
     with torch.device("meta"):
@@ -40,7 +40,9 @@ def build_random(model_cls: type[nn.Module], args, seed: int = 0, scale: float =
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("router.weight"):
+        elif name.endswith("router.weight") or (".indexer." in name and p.dim() > 1):
+            # Decisive top-k choices (experts, GLM-5's selected keys): different parallel layouts
+            # sum in different orders, and near-tied scores must not flip on that round-off.
             p.normal_(0.0, 0.5, generator=gen)
         elif name.endswith("expert_bias"):
             p.uniform_(-0.3, 0.3, generator=gen)

@@ -22,6 +22,16 @@ Two optional keywords, passed only by the layers that use them (gpt-oss):
   as a key whose value is zero (the weights of the real keys then sum to less than 1).
   `attention_with_sinks` is the exact reference every context uses for them.
 
+Sparse attention (GLM-5's DeepSeek sparse-attention indexer) adds two more, also passed only by
+the layers that use them:
+
+- `index=(index_keys, select)`: index_keys (B, T, Di) are the new tokens' indexer keys; the
+  context lays them out as it does its keys (the row, a cp gather, the engine's cache), calls
+  `keep = select(all_index_keys (B, L, Di), allowed (B or 1, T, L))` once, and attends only where
+  `allowed & keep` (B, T, L);
+- `keep=` (B, T, L): a selection made by an earlier layer of the same forward (the same key
+  layout), reused as it is.
+
 Packed-document backends (`make_document_attention` picks one), all with the same numbers:
 
 - "sdpa"  `DocumentCausalAttention`: SDPA with a dense (B, 1, T, T) boolean mask. Any device,
@@ -47,9 +57,10 @@ from torch import Tensor
 
 class AttentionContext(Protocol):
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
         """q (B, Hq, T, D); k, v (B, Hkv, T, D), RoPE and qk-norm already applied. Returns (B, Hq, T, Dv).
-        `window` (sliding window) and `sinks` (Hq,) as in the module docstring."""
+        `window` (sliding window), `sinks` (Hq,), `index` / `keep` (sparse selection) as in the
+        module docstring."""
         ...
 
 
@@ -76,6 +87,15 @@ def attention_with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: T
     return probs.to(v.dtype) @ v
 
 
+def selected(allowed: Tensor, index_keys: Tensor | None, index: tuple | None, keep: Tensor | None) -> Tensor:
+    """The (B or 1, 1, T, L) mask of the keys a query attends to: `allowed` (B or 1, T, L), narrowed
+    by a sparse-attention selection (see the module docstring) when `index` or `keep` is given;
+    `index_keys` are the context's (B, L, Di) layout of the index keys."""
+    if index is not None:
+        keep = index[1](index_keys, allowed)
+    return (allowed if keep is None else allowed & keep)[:, None]
+
+
 def window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
     """(..., T, L) bool: causal (k <= q) and, with `window`, q - window < k. q_pos (..., T), k_pos (..., L)."""
     diff = q_pos[..., :, None] - k_pos[..., None, :]
@@ -98,12 +118,13 @@ class CausalAttention:
     """Plain causal attention over the whole row (one document per row, no padding inside)."""
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
-        if window is None and sinks is None:
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
+        if window is None and sinks is None and index is None and keep is None:
             # enable_gqa keeps k, v un-repeated, which the flash kernel supports (no mask here).
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         idx = torch.arange(q.shape[2], device=q.device)
-        return attention_with_sinks(q, k, v, window_mask(idx, idx, window)[None, None], sinks)
+        mask = selected(window_mask(idx, idx, window)[None], None if index is None else index[0], index, keep)
+        return attention_with_sinks(q, k, v, mask, sinks)
 
 
 class DocumentCausalAttention:
@@ -147,10 +168,12 @@ class DocumentCausalAttention:
         return self._windowed[window]
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
         B, num_q_heads, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
         mask = self.mask(q.device) if window is None else self.windowed_mask(q.device, window)
+        if index is not None or keep is not None:
+            mask = selected(mask[:, 0], None if index is None else index[0], index, keep)
         if sinks is not None:
             return attention_with_sinks(q, k, v, mask, sinks)
         # Repeat k, v rather than enable_gqa: with an explicit mask the CUDA path is the
@@ -211,12 +234,12 @@ class FlexDocumentAttention:
         return self._block_mask
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
         B, num_q_heads, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
-        if window is not None or sinks is not None:
-            raise ValueError("the 'flex' attention backend has no sliding windows or attention sinks yet (gpt-oss); "
-                             "use trainer.attention = 'sdpa'")
+        if window is not None or sinks is not None or index is not None or keep is not None:
+            raise ValueError("the 'flex' attention backend has no sliding windows, attention sinks or sparse "
+                             "selection yet (gpt-oss, GLM-5); use trainer.attention = 'sdpa'")
         if self.compile:
             flex = _compiled_flex_attention()
         else:
@@ -361,12 +384,12 @@ class VarlenDocumentAttention:
         return self._seqlens
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
         B, _, T, _ = q.shape
         assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
-        if window is not None or sinks is not None:
-            raise ValueError("varlen attention has no sliding windows or attention sinks here (gpt-oss); "
-                             "use trainer.attention = 'sdpa'")
+        if window is not None or sinks is not None or index is not None or keep is not None:
+            raise ValueError("varlen attention has no sliding windows, attention sinks or sparse selection here "
+                             "(gpt-oss, GLM-5); use trainer.attention = 'sdpa'")
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"varlen (flash) attention needs bf16 or fp16 q/k/v, got {q.dtype}; "
                              "use the 'sdpa' or 'flex' backend for fp32")

@@ -62,10 +62,15 @@ class MLAttention(nn.Module):
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=bias)
 
-    def latent(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x (B, T, dim) -> q_nope (B, H, T, Dn), q_rope (B, H, T, Dr), latent (B, T, R), k_rope (B, 1, T, Dr)."""
+    def latent(self, x: Tensor, cos: Tensor, sin: Tensor,
+               q_resid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x (B, T, dim) -> q_nope (B, H, T, Dn), q_rope (B, H, T, Dr), latent (B, T, R), k_rope (B, 1, T, Dr).
+        `q_resid`: q_norm(wq_a x) when the caller has it already (GLM-5's indexer reads it too)."""
         B, T, _ = x.shape
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        if hasattr(self, "wq"):
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)) if q_resid is None else q_resid)
         if self.softmax_scale != 1.0:
             q = q * self.softmax_scale
         q = q.view(B, T, self.n_heads, -1).transpose(1, 2)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from meshrl.models.common.attention import attention_with_sinks, window_mask
+from meshrl.models.common.attention import attention_with_sinks, selected, window_mask
 from meshrl.runtime.engine.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
@@ -412,7 +412,8 @@ class PagedAttention:
         return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions, window, sinks)
 
     def attend_latent(self, layer_id: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
-                      wkv_b: Tensor, v_head_dim: int) -> Tensor:
+                      wkv_b: Tensor, v_head_dim: int, index: tuple | None = None, keep: Tensor | None = None,
+                      index_dim: int = 0) -> Tensor:
         """Multi-head latent attention over a latent cache (models/common/mla.py). q_nope (B, H, T, Dn),
         q_rope (B, H, T, Dr), latent (B, T, R), k_rope (B, 1, T, Dr), wkv_b (H * (Dn + Dv), R) -> (B, H, T, Dv).
 
@@ -420,20 +421,34 @@ class PagedAttention:
         tokens' per-head k and v, as the trainer does; otherwise the queries are absorbed into the
         latent space (q_nope W_uk), attend over the cached [latent, k_rope] as one shared kv head
         whose values are its first R dims, and the result leaves through W_uv.
+
+        Sparse attention (GLM-5; `index` / `keep` as in models/common/attention.py): the row also
+        holds the token's `index_dim` indexer-key dims ([latent, k_rope, index key]; zeros in a
+        layer that reuses another's selection), and attention is narrowed to the selected keys.
         """
-        k_cache, _ = self.cache.layer(layer_id)  # (num_blocks, bs, 1, R + Dr)
+        k_cache, _ = self.cache.layer(layer_id)  # (num_blocks, bs, 1, R + Dr [+ Di])
         B, H, T, nope_dim = q_nope.shape
-        rank = latent.shape[-1]
-        scale = (nope_dim + q_rope.shape[-1]) ** -0.5
-        write_slots(k_cache, self.slots.reshape(-1), torch.cat([latent, k_rope[:, 0]], dim=-1)[:, None])
+        rank, rope_dim = latent.shape[-1], k_rope.shape[-1]
+        scale = (nope_dim + rope_dim) ** -0.5
+        index_keys = index[0] if index is not None else latent.new_zeros(B, T, index_dim)
+        row = torch.cat([latent, k_rope[:, 0], index_keys], dim=-1)[:, None] if index_dim else \
+            torch.cat([latent, k_rope[:, 0]], dim=-1)[:, None]
+        write_slots(k_cache, self.slots.reshape(-1), row)
         w = wkv_b.view(H, nope_dim + v_head_dim, rank)
+        sparse = index is not None or keep is not None
         if self.fresh:
             k_nope, v = F.linear(latent, wkv_b).view(B, T, H, -1).transpose(1, 2).split([nope_dim, v_head_dim], -1)
             k = torch.cat([k_nope, k_rope.expand(-1, H, -1, -1)], dim=-1)
-            return F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], -1), k, v, is_causal=True, scale=scale)
+            q = torch.cat([q_nope, q_rope], -1)
+            if not sparse:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            idx = torch.arange(T, device=q.device)
+            mask = selected(window_mask(idx, idx, None)[None], index_keys, index, keep)  # (B, 1, T, T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :nope_dim]), q_rope], dim=-1)  # (B, H, T, R + Dr)
-        keys = gather_blocks(k_cache, self.tables_long)  # (1, B, L, R + Dr)
+        keys = gather_blocks(k_cache, self.tables_long)  # (1, B, L, R + Dr [+ Di])
         key_pos = torch.arange(keys.shape[2], device=q.device)
-        mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, L)
-        out = grouped_sdpa(q, keys, keys[..., :rank], mask, scale)  # (B, H, T, R)
+        mask = key_pos[None, None, :] <= self.positions[:, :, None]  # (B, T, L)
+        mask = selected(mask, keys[0, ..., rank + rope_dim:], index, keep) if sparse else mask[:, None]
+        out = grouped_sdpa(q, keys[..., : rank + rope_dim], keys[..., :rank], mask, scale)  # (B, H, T, R)
         return torch.einsum("bhtr,hvr->bhtv", out, w[:, nope_dim:])

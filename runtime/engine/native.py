@@ -95,9 +95,10 @@ class _Probe:
         self.layers.append((layer_id, k.shape[1], k.shape[3], v.shape[3]))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
-    def attend_latent(self, layer_id, q_nope, q_rope, latent, k_rope, wkv_b, v_head_dim):
-        # MLA (models/common/mla.py): one kv "head" of latent + rope key per token, no values.
-        self.layers.append((layer_id, 1, latent.shape[-1] + k_rope.shape[-1], 0))
+    def attend_latent(self, layer_id, q_nope, q_rope, latent, k_rope, wkv_b, v_head_dim, index=None, keep=None,
+                      index_dim=0):
+        # MLA (models/common/mla.py): one kv "head" of latent + rope key (+ index key) per token, no values.
+        self.layers.append((layer_id, 1, latent.shape[-1] + k_rope.shape[-1] + index_dim, 0))
         return q_nope.new_zeros(*q_nope.shape[:-1], v_head_dim)  # a throw-away forward
 
 

@@ -25,7 +25,7 @@ from tests.family_checks import build_random
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, eps=1e-4)  # eps: see test_parallel_trainer.py
 LOSS = LossConfig(kl_coef=0.1)
 SEQ_LEN = 96
-FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss"]
+FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss", "glm_moe_dsa"]
 
 
 def make_model(family: str):
