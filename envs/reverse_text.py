@@ -10,21 +10,30 @@ single-task model gains nothing from an instruction): the text followed by a new
     prompt      "abc de\\n"
     completion  "ed cba"        (the model then emits eos)
 
-Reward: ``difflib.SequenceMatcher(None, parsed, answer).ratio()`` in [0, 1], where
-``parsed`` is the completion stripped of surrounding whitespace and cut at its first newline.
+Reward: one component, ``lcs`` = LCS(parsed, answer) / max(len(parsed), len(answer)) in [0, 1],
+where ``parsed`` is the completion stripped of surrounding whitespace and cut at its first newline
+and LCS is the length of the longest common subsequence. It is 1 exactly when ``parsed ==
+answer``, and a dropped or an added character costs as much as a wrong one: for the answer "mma",
+"ma", "mmaa" and "mmm" score 2/3, 3/4 and 2/3, never more than the right length with the same
+characters would. (``difflib``'s ratio 2*M/(len(a)+len(b)), the reward before, paid for dropping
+characters: "ma" scored 0.8 there, and RL learned to answer short.)
+
+Metrics beside it: ``exact`` (1 when parsed == answer; pass@1 of `meshrl eval` with
+``pass_threshold = 1`` counts the same thing) and ``length_ratio`` = len(parsed) / len(answer),
+which stays near 1 for a policy that learns the task rather than the reward.
 """
 
-import difflib
 import random
 import string
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .base import Example
+from .base import Example, Reward
 from .config import EnvConfigBase
+from .synthetic import first_line
 
-__all__ = ["ReverseTextEnv", "ReverseTextEnvConfig"]
+__all__ = ["ReverseTextEnv", "ReverseTextEnvConfig", "lcs_length", "lcs_reward"]
 
 
 class ReverseTextEnvConfig(EnvConfigBase):
@@ -80,14 +89,32 @@ class ReverseTextEnv:
         text = " ".join(words)
         return Example(index=index, prompt=f"{text}\n", answer=text[::-1], info={"text": text, "num_words": num_words})
 
-    def score(self, example: Example, completion: str) -> float:
-        """Similarity ratio in [0, 1] between the parsed completion and the reversed text."""
-        parsed = completion.strip().split("\n", 1)[0].strip()
-        return difflib.SequenceMatcher(None, parsed, example.answer).ratio()
+    def score(self, example: Example, completion: str) -> Reward:
+        """``lcs`` reward in [0, 1], with the ``exact`` and ``length_ratio`` metrics (module docstring)."""
+        parsed = first_line(completion)
+        answer = example.answer
+        return Reward({"lcs": lcs_reward(parsed, answer)},
+                      metrics={"exact": float(parsed == answer), "length_ratio": len(parsed) / len(answer)})
 
     def sft_completion(self, example: Example) -> str:
         """The reversed text (the model appends eos)."""
         return example.answer
+
+
+def lcs_length(a: str, b: str) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b`` (dynamic programming, one row)."""
+    row = [0] * (len(b) + 1)
+    for ca in a:
+        diagonal = 0  # row[j - 1] of the previous row
+        for j, cb in enumerate(b, start=1):
+            diagonal, row[j] = row[j], diagonal + 1 if ca == cb else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def lcs_reward(parsed: str, answer: str) -> float:
+    """LCS(parsed, answer) / max(len(parsed), len(answer)); 1.0 when both are empty."""
+    longest = max(len(parsed), len(answer))
+    return lcs_length(parsed, answer) / longest if longest else 1.0
 
 
 def _check_range(what: str, low: int, high: int) -> None:

@@ -14,6 +14,7 @@ validate (derived values are properties), and each component receives only its o
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -81,15 +82,100 @@ class OptimConfig(Base):
     """Linear warm-up of the learning rate over this many optimizer steps."""
 
 
-class LossConfig(Base):
-    """The default RL loss: importance-weighted policy gradient, DPPO masking, KL penalty."""
+LOSS_PARAMS: dict[str, tuple[str, ...]] = {
+    "dppo": ("delta_low", "delta_high"),
+    "aipo": ("ratio_cap",),
+    "ppo_clip": ("clip_low", "clip_high"),
+    "gspo": ("clip_low", "clip_high"),
+    "cispo": ("clip_low", "clip_high"),
+}
+"""Each loss type's own fields of `LossConfig` (the others must keep their defaults)."""
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+"""(clip_low, clip_high) of a loss type when unset: PPO's 0.2, GSPO's paper values, MiniMax-M1's CISPO
+(no lower bound on the weight)."""
+CORRECTION_DEFAULTS: dict[str, tuple[float, float]] = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
+"""(correction_low, correction_high) of a correction when unset (icepop: the IcePop paper's band)."""
 
+
+class LossConfig(Base):
+    """The RL loss (runtime/train/losses.py; formulas and when to use which: docs/algorithms.md).
+
+    Every loss sums per-token terms over the step's loss tokens and divides by the step's global
+    loss-token count, plus the KL penalty kl_coef * 0.5 * d^2 with d = trainer - engine logprob.
+    A field that belongs to another loss type or correction than the one chosen must keep its
+    default (a config error otherwise), so a config says what it runs.
+    """
+
+    type: Literal["dppo", "aipo", "ppo_clip", "gspo", "cispo"] = "dppo"
+    """dppo: ratio * A with a binary trust region in probability space (prime-rl's default loss);
+    aipo: truncated importance weight min(ratio, ratio_cap) * A; ppo_clip: PPO's clipped surrogate;
+    gspo: the clipped surrogate on the length-normalised sequence ratio; cispo: clipped
+    stop-gradient importance weight, no token dropped."""
     delta_low: float = Field(0.2, gt=0, le=1)
-    """Mask a negative-advantage token once its probability fell by more than this."""
+    """dppo: mask a negative-advantage token once its probability fell by more than this."""
     delta_high: float = Field(0.2, gt=0, le=1)
-    """Mask a positive-advantage token once its probability rose by more than this."""
-    kl_coef: float = Field(1e-3, ge=0)
-    """Weight of the 0.5 * log_ratio^2 penalty between trainer and inference logprobs."""
+    """dppo: mask a positive-advantage token once its probability rose by more than this."""
+    ratio_cap: float = Field(8.0, gt=0)
+    """aipo: the importance weight is min(ratio, ratio_cap) (a stop-gradient weight)."""
+    clip_low: float | None = Field(None, ge=0, le=1)
+    """ppo_clip, gspo, cispo: the ratio is clipped below at 1 - clip_low; unset: 0.2 (ppo_clip),
+    3e-4 (gspo), 1.0 (cispo: no lower bound)."""
+    clip_high: float | None = Field(None, ge=0)
+    """ppo_clip, gspo, cispo: the ratio is clipped above at 1 + clip_high; unset: 0.2 (ppo_clip),
+    4e-4 (gspo), 0.28 (cispo)."""
+    kl_coef: float = Field(2e-3, ge=0)
+    """Weight of the kl_coef * 0.5 * d^2 penalty between trainer and inference logprobs (every loss
+    type). The default 2e-3 makes dppo prime-rl's default loss (its kl_tau * d^2, kl_tau = 1e-3):
+    kl_coef = 2 * kl_tau."""
+    correction: Literal["none", "tis", "mis", "icepop"] = "none"
+    """Trainer/engine mismatch correction of each policy-gradient term by rho = trainer / engine
+    probability: tis truncates the weight at correction_high, mis drops tokens (samples) with rho above
+    correction_high, icepop drops those outside [correction_low, correction_high]; the share of loss
+    tokens touched is logged as loss/correction_fraction."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """rho per token, or per sample (the product of its tokens' ratios, applied to all of them)."""
+    correction_low: float | None = Field(None, ge=0, le=1)
+    """icepop's lower bound on rho; unset: 0.5."""
+    correction_high: float | None = Field(None, ge=1)
+    """The upper bound on rho of tis, mis and icepop; unset: 2.0 (tis, mis), 5.0 (icepop)."""
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> "LossConfig":
+        own = set(LOSS_PARAMS[self.type])
+        for name in sorted({f for fields in LOSS_PARAMS.values() for f in fields} - own):
+            if getattr(self, name) != type(self).model_fields[name].default:
+                users = ", ".join(t for t, fields in LOSS_PARAMS.items() if name in fields)
+                raise ValueError(f"trainer.loss.{name} applies to loss type {users}, not {self.type!r}")
+        bounds = {"correction_low": ("icepop",), "correction_high": ("tis", "mis", "icepop"),
+                  "correction_level": ("tis", "mis", "icepop")}
+        for name, users in bounds.items():
+            if self.correction not in users and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"trainer.loss.{name} applies to correction {' | '.join(users)}, "
+                                 f"not {self.correction!r}")
+        return self
+
+    @property
+    def params(self) -> dict[str, float]:
+        """The chosen loss type's own keyword arguments (runtime/train/losses.py), defaults resolved."""
+        if self.type in CLIP_DEFAULTS:
+            low, high = CLIP_DEFAULTS[self.type]
+            return {"clip_low": low if self.clip_low is None else self.clip_low,
+                    "clip_high": high if self.clip_high is None else self.clip_high}
+        return {name: getattr(self, name) for name in LOSS_PARAMS[self.type]}
+
+    @property
+    def correction_bounds(self) -> tuple[float, float]:
+        """(low, high) bounds on rho of the chosen correction (unset ones resolved); (0, inf) for none."""
+        if self.correction == "none":
+            return 0.0, math.inf
+        low, high = CORRECTION_DEFAULTS[self.correction]
+        return (low if self.correction_low is None else self.correction_low,
+                high if self.correction_high is None else self.correction_high)
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether the loss needs every token of a sample on one rank (gspo, sequence corrections)."""
+        return self.type == "gspo" or (self.correction != "none" and self.correction_level == "sequence")
 
 
 class ParallelConfig(Base):
@@ -146,6 +232,15 @@ class TrainerConfig(Base):
     """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
     moe_aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of the MoE load-balancing loss (its value is logged as moe/aux_loss either way)."""
+
+    @model_validator(mode="after")
+    def _sequence_loss_fits(self) -> "TrainerConfig":
+        if self.loss.sequence_level and self.parallel.cp > 1:
+            what = ('trainer.loss.type = "gspo"' if self.loss.type == "gspo"
+                    else 'trainer.loss.correction_level = "sequence"')
+            raise ValueError(f"{what} needs whole samples on one rank, but trainer.parallel.cp = "
+                             f"{self.parallel.cp} splits them over ranks")
+        return self
 
 
 # ----------------------------------------------------------------------------- inference
@@ -269,6 +364,39 @@ class EpisodesConfig(Base):
     score_memory_mb: int = Field(0, ge=0)
     """> 0: score each episode in a forked child process with this many MiB of address space beyond the
     parent's (a reward function that exhausts memory or hangs is killed); 0: score on a worker thread."""
+
+
+class AdvantageConfig(Base):
+    """How the controller turns a group's rewards into advantages, and which groups and samples it
+    trains on (runtime/rollout/controller.py, the functions in runtime/train/losses.py;
+    docs/algorithms.md). Failed rollouts never count."""
+
+    type: Literal["grpo", "grpo_std", "drgrpo", "rloo"] = "grpo"
+    """grpo: reward minus the group mean; grpo_std: that divided by the group's std (GRPO as
+    published); drgrpo: grpo's advantage, and the step's loss divided by samples x
+    inference.sampling.max_tokens instead of its loss-token count (Dr.GRPO: no length
+    normalisation at all); rloo: reward minus the mean of the group's other samples."""
+    length_penalty: float = Field(0.0, ge=0)
+    """Subtract length_penalty * sampled tokens / inference.sampling.max_tokens from each reward
+    before advantages (reward/mean stays the environment's reward)."""
+    mask_truncated: bool = False
+    """Overlong filtering: a sample cut off at max_tokens (finish_reason "length") is not trained on;
+    its reward still counts in its group's baseline. Counted as batch/samples_masked_truncated."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is >= this (for min_pass_rate / max_pass_rate)."""
+    min_pass_rate: float = Field(0.0, ge=0, le=1)
+    """Online difficulty filtering: drop a group whose share of passing samples is below this (too
+    hard; e.g. 0.01 drops groups where none passed). Counted as batch/groups_dropped_too_hard."""
+    max_pass_rate: float = Field(1.0, ge=0, le=1)
+    """Drop a group whose share of passing samples is above this (too easy; e.g. 0.99 drops groups
+    where all passed). Counted as batch/groups_dropped_too_easy."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "AdvantageConfig":
+        if self.min_pass_rate > self.max_pass_rate:
+            raise ValueError(f"advantage.min_pass_rate ({self.min_pass_rate}) > advantage.max_pass_rate "
+                             f"({self.max_pass_rate}): every group would be dropped")
+        return self
 
 
 class EvalSettings(Base):
@@ -437,6 +565,8 @@ class RLConfig(Base):
     """Prompts (groups) per optimizer step."""
     samples_per_prompt: int = Field(8, ge=2)
     """Rollouts per prompt; advantages are relative to the group."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantages, length penalty, and the group and sample filters."""
     model: ModelConfig
     """The policy."""
     env: EnvConfig = ReverseTextEnvConfig()

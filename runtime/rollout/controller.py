@@ -53,8 +53,8 @@ from meshrl.envs import make_env
 from meshrl.envs.base import Environment, Example, decode_reply
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import protocol, transport
-from meshrl.runtime.train.losses import group_advantages
-from meshrl.runtime.config import RLConfig
+from meshrl.runtime.train.losses import DROP_REASONS, filter_reason, group_advantages, length_penalized
+from meshrl.runtime.config import AdvantageConfig, RLConfig
 from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
@@ -62,6 +62,7 @@ from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, TrainingWatch, log, note_activity
 from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.transport import Message
+
 
 @dataclass
 class Rollout:
@@ -106,6 +107,33 @@ class Clock:
     weights_version: int = 0     # newest version the inference ranks were told to load
     last_report_at: float = field(default_factory=time.perf_counter)
     tokens_since_report: int = 0
+
+
+def _sampled_tokens(r: Rollout) -> int:
+    """Tokens the policy sampled in a rollout (a multi-turn rollout's environment tokens excluded)."""
+    return sum(r.mask) if r.mask is not None else len(r.token_ids)
+
+
+def group_samples(group: Group, ok: list[Rollout], cfg: AdvantageConfig,
+                  max_tokens: int) -> tuple[list[Sample], str | None, int]:
+    """One group's training samples from its rollouts that did not fail (``ok``), why the group was
+    dropped (None: kept; losses.filter_reason), and how many samples overlong filtering masked."""
+    raw = torch.tensor([r.reward for r in ok], dtype=torch.float32)  # (G,)
+    shaped = raw
+    if cfg.length_penalty > 0 and ok:
+        shaped = length_penalized(raw, torch.tensor([_sampled_tokens(r) for r in ok]), cfg.length_penalty, max_tokens)
+    reason = filter_reason(raw, shaped=shaped, pass_threshold=cfg.pass_threshold, min_pass_rate=cfg.min_pass_rate,
+                           max_pass_rate=cfg.max_pass_rate)
+    if reason is not None:
+        return [], reason, 0
+    advantages = group_advantages(shaped[None], cfg.type)[0]  # (G,)
+    samples, masked = [], 0
+    for r, a in zip(ok, advantages.tolist()):
+        if cfg.mask_truncated and r.finish_reason == "length":  # its reward stays in the baseline
+            masked += 1
+            continue
+        samples.append(Sample(r.prompt_ids or group.prompt_ids, r.token_ids, r.logprobs, a, r.mask))
+    return samples, None, masked
 
 
 class Controller:
@@ -295,13 +323,20 @@ class Controller:
         dims = self.cfg.trainer.parallel.dims(len(ranks))
         batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
                        pad_id=self.tokenizer.pad_token_id or 0)
-        num_loss_tokens = count_loss_tokens(batches)
+        num_loss_tokens = self._loss_normaliser(samples, batches)
         for index, rank in enumerate(ranks):
             msg = protocol.train(step, num_loss_tokens, batches[dims.data_rank(index)])
             transport.send(msg, rank, self.layout.down[rank])
         self.clock.training = True
         self._pending_stats = stats
         self._sleep_pending = None
+
+    def _loss_normaliser(self, samples: list[Sample], batches) -> int:
+        """What every loss of the step divides by: its loss-token count over all ranks, or, for
+        advantage.type = "drgrpo", samples x sampling.max_tokens (Dr.GRPO: independent of lengths)."""
+        if self.cfg.advantage.type == "drgrpo":
+            return len(samples) * self.cfg.inference.sampling.max_tokens
+        return count_loss_tokens(batches)
 
     def _engines_asleep(self) -> bool:
         """inference.sleep_while_training: ask every inference rank to free its KV cache before the
@@ -316,25 +351,22 @@ class Controller:
         return not self._sleep_pending
 
     def _build_samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Advantages per group, filtering of uninformative groups, and rollout statistics."""
+        """Advantages per group, the group and sample filters (`advantage`), and rollout statistics."""
         state = self.steps[step]
         samples: list[Sample] = []
         rewards, lags, lengths = [], [], []
-        filtered = 0
+        dropped = dict.fromkeys(DROP_REASONS, 0)
+        masked_truncated = 0
         for group in state.groups:
             ok = [r for r in group.rollouts if r is not None and not r.failed]
             rewards += [r.reward for r in ok]
             lags += [step - min(r.versions) for r in ok if r.versions]
-            lengths += [sum(r.mask) if r.mask is not None else len(r.token_ids) for r in ok]
-            if len(ok) < 2:
-                filtered += 1
-                continue
-            adv = group_advantages(torch.tensor([[r.reward for r in ok]]))[0]
-            if adv.abs().max() < 1e-6:  # every sample scored the same: no learning signal
-                filtered += 1
-                continue
-            for r, a in zip(ok, adv.tolist()):
-                samples.append(Sample(r.prompt_ids or group.prompt_ids, r.token_ids, r.logprobs, a, r.mask))
+            lengths += [_sampled_tokens(r) for r in ok]
+            kept, reason, masked = group_samples(group, ok, self.cfg.advantage, self.cfg.inference.sampling.max_tokens)
+            samples += kept
+            masked_truncated += masked
+            if reason is not None:
+                dropped[reason] += 1
         truncated = sum(r.finish_reason == "length" for g in state.groups for r in g.rollouts if r is not None)
         total = len(state.groups) * self.cfg.samples_per_prompt
         stats = {
@@ -342,8 +374,10 @@ class Controller:
             "reward/std": statistics.pstdev(rewards) if rewards else 0.0,
             "policy_lag/mean": statistics.fmean(lags) if lags else 0.0,
             "policy_lag/max": max(lags) if lags else 0,
-            "batch/groups_filtered": filtered,
+            "batch/groups_filtered": sum(dropped.values()),
+            **{f"batch/groups_dropped_{reason}": count for reason, count in dropped.items()},
             "batch/samples_trained": len(samples),
+            "batch/samples_masked_truncated": masked_truncated,
             "rollouts/failed": state.failed,
             "rollouts/truncated_fraction": truncated / total,
             "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
@@ -403,7 +437,8 @@ class Controller:
                    "weights/version": meta["version"],
                    "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),
                    "checkpoint/failed_saves": self.failed_saves + trainer.get("failed_saves", 0),
-                   **{k: v for k, v in trainer.items() if k.startswith(("moe/", "memory/"))}}  # MoE balance, GPU memory
+                   # loss/ (clipped and corrected shares), MoE balance, GPU memory
+                   **{k: v for k, v in trainer.items() if k.startswith(("loss/", "moe/", "memory/"))}}
         for row in (self.evals.hold(metrics) if self.evals is not None else [metrics]):
             self.metrics.write(row)  # a row waits while the evaluation of its weights runs (runtime/rollout/evals.py)
         self.watch.step(step, trainer["grad_norm"], self.cfg.prompts_per_step * self.cfg.samples_per_prompt,

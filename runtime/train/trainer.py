@@ -32,8 +32,8 @@ from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.train.logprob_head import LogprobHead
 from meshrl.runtime.rundir import log
 
-_STAT_KEYS = ("loss_tokens", "masked_tokens", "mismatch_kl_sum", "entropy_sum", "pg_loss_sum",
-              "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
+_STAT_KEYS = ("loss_tokens", "masked_tokens", "clipped_tokens", "corrected_tokens", "mismatch_kl_sum", "entropy_sum",
+              "pg_loss_sum", "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
 
 
 def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.dtype) -> str:
@@ -48,6 +48,23 @@ def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.d
 
     half = compute_dtype in (torch.bfloat16, torch.float16)
     return "varlen" if half and _torch_varlen_attn() is not None else "sdpa"
+
+
+def policy_loss(mb: TensorDict, logprobs: torch.Tensor, loss: LossConfig,
+                num_loss_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss.type``'s policy loss of one micro-batch, with ``loss.correction`` applied (losses.py)."""
+    mask = mb["loss_mask"]
+    weights, corrected = None, torch.zeros_like(mask)
+    if loss.correction != "none":
+        low, high = loss.correction_bounds
+        weights, corrected = losses.correction_weights(
+            logprobs, mb["inference_logprobs"], mask, mb["sample_ids"], kind=loss.correction,
+            level=loss.correction_level, low=low, high=high)
+    value, stats = losses.POLICY_LOSSES[loss.type](
+        logprobs, mb["inference_logprobs"], mb["advantages"], mask, kl_coef=loss.kl_coef,
+        num_loss_tokens=num_loss_tokens, weights=weights, sample_ids=mb["sample_ids"], **loss.params)
+    stats["corrected_tokens"] = corrected.sum().float()
+    return value, stats
 
 
 class Trainer:
@@ -128,10 +145,7 @@ class Trainer:
         for mb in micro_batches:
             mb, logprobs, entropy = self._forward(mb, temperature)
             mask = mb["loss_mask"]
-            value, stats = losses.policy_loss(
-                logprobs, mb["inference_logprobs"], mb["advantages"], mask,
-                delta_low=loss.delta_low, delta_high=loss.delta_high, kl_coef=loss.kl_coef,
-                num_loss_tokens=max(num_loss_tokens, 1))
+            value, stats = policy_loss(mb, logprobs, loss, max(num_loss_tokens, 1))
             value = self._with_aux(value, mask, num_loss_tokens, stats)
             value.backward()
             stats["entropy_sum"] = torch.where(mask, entropy, 0.0).sum()
@@ -147,6 +161,8 @@ class Trainer:
             "mismatch_kl": out["mismatch_kl_sum"] / n,
             "entropy": out["entropy_sum"] / n,
             "masked_fraction": out["masked_tokens"] / n,
+            "loss/clipped_fraction": out["clipped_tokens"] / n,
+            "loss/correction_fraction": out["corrected_tokens"] / n,
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "loss_tokens": out["loss_tokens"],

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from meshrl.envs.base import Example
-from meshrl.runtime.config import ModelConfig, RLConfig
+from meshrl.runtime.config import AdvantageConfig, ModelConfig, RLConfig
 from meshrl.runtime.rollout.controller import Controller, Group, Rollout, StepState
 from meshrl.runtime.tokenizer import build_char_tokenizer
 
@@ -49,3 +49,61 @@ def test_failed_rollouts_are_excluded_and_flat_groups_filtered(tmp_path):
     assert (tmp_path / "samples" / "step_2.jsonl").exists()
     # the completion handed to the trainer keeps the EOS token the engine sampled
     assert samples[0].completion_ids[-1] == tok.eos_token_id
+
+
+def _step(ctl, tok, texts, finish=None):
+    """Put one step of groups (rows of rollout texts) into the controller; rewards as `rollout` gives them."""
+    ex = Example(0, "abc\n", "cba", {})
+    groups = []
+    for g, row in enumerate(texts):
+        rollouts = [rollout(tok, text) for text in row]
+        for j, r in enumerate(rollouts):
+            if finish is not None:
+                r.finish_reason = finish[g][j]
+        groups.append(Group(ex, tok.encode(ex.prompt, add_special_tokens=False), rollouts))
+    ctl.steps[0] = StepState(groups, time.perf_counter(), pending=0)
+    return ctl._build_samples(step=0)
+
+
+def test_advantage_type_rloo_and_difficulty_filter(tmp_path):
+    ctl, tok = make_controller(tmp_path)
+    ctl.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(type="rloo", max_pass_rate=0.5)})
+    samples, stats = _step(ctl, tok, [["good", "bad", "bad", "bad"], ["good", "good", "good", "bad"]])
+    # group 0: leave-one-out 1 - 0 and 0 - 1/3; group 1 passes 3/4 > 0.5: dropped as too easy
+    assert [round(s.advantage, 6) for s in samples] == [1.0, round(-1 / 3, 6), round(-1 / 3, 6), round(-1 / 3, 6)]
+    assert stats["batch/groups_dropped_too_easy"] == 1 and stats["batch/groups_filtered"] == 1
+    assert stats["batch/groups_dropped_flat"] == 0 and stats["batch/groups_dropped_too_hard"] == 0
+
+
+def test_overlong_samples_are_masked_but_stay_in_the_baseline(tmp_path):
+    ctl, tok = make_controller(tmp_path)
+    ctl.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(mask_truncated=True)})
+    finish = [["stop", "length", "stop", "stop"], ["stop"] * 4]
+    samples, stats = _step(ctl, tok, [["good", "bad", "bad", "bad"], ["bad"] * 4], finish)
+    # the group mean counts the truncated sample (1/4); it is not trained on
+    assert [round(s.advantage, 6) for s in samples] == [0.75, -0.25, -0.25]
+    assert stats["batch/samples_masked_truncated"] == 1 and stats["batch/groups_dropped_flat"] == 1
+
+
+def test_length_penalty_shapes_the_advantage_not_the_logged_reward(tmp_path):
+    ctl, tok = make_controller(tmp_path)
+    ctl.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(length_penalty=0.64)})
+    max_tokens = ctl.cfg.inference.sampling.max_tokens  # 64: the penalty is 0.01 per sampled token
+    samples, stats = _step(ctl, tok, [["good", "goodgood", "good", "good"]])
+    # rewards 1, 0, 1, 1 ("goodgood" is not "good"); sampled tokens 5, 9, 5, 5 (eos included)
+    shaped = [1 - 0.05, 0 - 0.09, 1 - 0.05, 1 - 0.05]
+    mean = sum(shaped) / 4
+    assert max_tokens == 64
+    assert [round(s.advantage, 6) for s in samples] == [round(x - mean, 6) for x in shaped]
+    assert stats["reward/mean"] == 0.75
+
+
+def test_drgrpo_divides_by_samples_times_max_tokens(tmp_path):
+    from meshrl.runtime.train.packing import pack
+
+    ctl, tok = make_controller(tmp_path)
+    samples, _ = _step(ctl, tok, [["good", "bad", "bad", "bad"]])
+    batches = pack(samples, 64, 1)
+    assert ctl._loss_normaliser(samples, batches) == 4 + 4 + 4 + 5  # loss tokens: completions with eos
+    ctl.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(type="drgrpo")})
+    assert ctl._loss_normaliser(samples, batches) == 4 * 64

@@ -178,7 +178,7 @@ def test_mix_ratios_are_exact_per_cycle_and_deterministic():
     ex = mix.example(2)
     assert ex.env == "reverse-text" and ex == mix.example(2)
     assert ex.prompt == ReverseTextEnv(0, 1, 1, 3, 5).example(0).prompt
-    assert mix.score(ex, ex.answer) == 1.0
+    assert float(mix.score(ex, ex.answer)) == 1.0
     assert mix.sft_completion(ex) == ex.answer
     with pytest.raises(ValueError, match="positive"):
         integer_ratios([1, 0])

@@ -3,6 +3,7 @@
 import pytest
 
 from meshrl.envs import ENVIRONMENTS, Example, ReverseTextEnv, make_env
+from meshrl.envs.reverse_text import lcs_length, lcs_reward
 
 ARGS = dict(min_words=2, max_words=4, min_word_len=3, max_word_len=6)
 
@@ -33,15 +34,34 @@ def test_example_shape():
 def test_scores():
     env = ReverseTextEnv(seed=0, **ARGS)
     ex = Example(index=0, prompt="abc de\n", answer="ed cba", info={})
-    assert env.score(ex, "ed cba") == 1.0
-    assert env.score(ex, "  ed cba \nanything after the newline") == 1.0
-    assert env.score(ex, "") == 0.0
-    assert env.score(ex, "xyz") == 0.0
-    # "ed c" matches 4 of the answer's characters: ratio 2 * 4 / (4 + 6).
-    assert env.score(ex, "ed c") == pytest.approx(0.8)
-    assert env.score(ex, "abc de") < 0.5
+    assert env.score(ex, "ed cba").total == 1.0
+    assert env.score(ex, "  ed cba \nanything after the newline").total == 1.0
+    assert env.score(ex, "").total == 0.0
+    assert env.score(ex, "xyz").total == 0.0
+    # "ed c" keeps 4 of the answer's 6 characters in order: LCS 4 / max(4, 6)
+    assert env.score(ex, "ed c").total == pytest.approx(4 / 6)
+    assert env.score(ex, "abc de").total == pytest.approx(1 / 6)  # LCS of a string and its reverse: one char
     real = env.example(11)
-    assert env.score(real, env.sft_completion(real)) == 1.0
+    assert env.score(real, env.sft_completion(real)).total == 1.0
+
+
+def test_reward_does_not_pay_for_dropped_or_added_characters():
+    env = ReverseTextEnv(seed=0, **ARGS)
+    ex = Example(index=0, prompt="amm\n", answer="mma", info={})
+    dropped, wrong, added = (env.score(ex, text) for text in ("ma", "mmm", "mmaa"))
+    # a dropped character costs as much as a wrong one (difflib's ratio gave "ma" 0.8 and "mmm" 0.67)
+    assert dropped.total == pytest.approx(2 / 3) and wrong.total == pytest.approx(2 / 3)
+    assert added.total == pytest.approx(3 / 4)
+    assert dropped.components == {"lcs": pytest.approx(2 / 3)}
+    assert dropped.metrics == {"exact": 0.0, "length_ratio": pytest.approx(2 / 3)}
+    assert added.metrics["length_ratio"] == pytest.approx(4 / 3)
+    assert env.score(ex, "mma").metrics == {"exact": 1.0, "length_ratio": 1.0}
+
+
+def test_lcs_by_hand():
+    assert lcs_length("abcbdab", "bdcaba") == 4  # the textbook example: "bcba"
+    assert lcs_length("", "abc") == 0 and lcs_length("abc", "abc") == 3
+    assert lcs_reward("", "") == 1.0 and lcs_reward("ab", "") == 0.0
 
 
 @pytest.mark.parametrize(
