@@ -9,6 +9,10 @@ over the data-parallel ranks (parallel/parallelize.py), so the update is the per
 over the global batch whatever the split. Statistics are sums, all-reduced once per step
 over the trainer group.
 
+The RL loss of each micro-batch is `policy_loss`: the `trainer.loss.type` entry of
+losses.POLICY_LOSSES, its policy-gradient terms weighted by the `trainer.loss.correction` factors
+(losses.correction_weights; docs/algorithms.md).
+
 Logprobs come from a chunked LM head (runtime/train/logprob_head.py) that runs inside the model's
 forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 """

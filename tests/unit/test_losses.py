@@ -366,3 +366,23 @@ def test_correction_weights_scale_the_policy_gradient_terms_only():
     torch.testing.assert_close(loss, torch.tensor((pg + kl) / 6))
     grad = [((-ratios[i] * adv[i] if i in kept else 0.0) + 0.1 * LN(ratios[i])) / 6 for i in range(6)] + [0.0]
     torch.testing.assert_close(torch.tensor(_grad(loss, logprobs)), torch.tensor(grad))
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_trainer_dispatches_the_configured_loss_and_correction(kind):
+    from tensordict import TensorDict
+
+    from meshrl.runtime.config import LossConfig
+    from meshrl.runtime.train.trainer import policy_loss
+
+    _, _, _, logprobs, inference, advantages, mask = _loss_case()
+    mb = TensorDict({"loss_mask": mask, "inference_logprobs": inference, "advantages": advantages,
+                     "sample_ids": _sample_ids()}, batch_size=[1, 7])
+    cfg = LossConfig(type=kind, kl_coef=0.1, correction="tis", correction_high=1.5)
+    value, stats = policy_loss(mb, logprobs, cfg, num_loss_tokens=6)
+    w, touched = correction_weights(logprobs, inference, mask, _sample_ids(), kind="tis", level="token", low=0.0,
+                                    high=1.5)
+    expected, _ = POLICY_LOSSES[kind](logprobs, inference, advantages, mask, kl_coef=0.1, num_loss_tokens=6,
+                                      weights=w, sample_ids=_sample_ids(), **cfg.params)
+    torch.testing.assert_close(value, expected)
+    assert stats["corrected_tokens"].item() == touched.sum().item() == 2
