@@ -150,12 +150,12 @@ class NativeEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_fraction: float = 0.85,
+        kv_cache_bytes: int | None = None,
         max_num_batched_tokens: int | None = None,
         prefix_sharing: bool = True,
         cuda_graphs: bool | None = None,
         attention: Literal["auto", "torch", "triton"] = "auto",
         detokenize: Callable[[list[int]], str] | None = None,
-        kv_cache_bytes: int | None = None,
         seed: int = 0,
         tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
@@ -321,11 +321,6 @@ class NativeEngine:
                 finished += self._complete_decode(launched)
         return finished
 
-    def check(self) -> None:
-        """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
-        device block table against its sequence (for tests)."""
-        self.scheduler.check()
-
     def sleep(self) -> int:
         """Free the KV cache and the captured CUDA graphs while no request is live (a colocated
         engine in synchronous RL, so that the trainer can use the memory); returns the bytes freed.
@@ -353,6 +348,11 @@ class NativeEngine:
         """Allocate the KV cache again after `sleep` (its contents are gone: every block is free)."""
         if self.asleep:
             self.kv.restore()
+
+    def check(self) -> None:
+        """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
+        device block table against its sequence (for tests)."""
+        self.scheduler.check()
 
     # ------------------------------------------------------------------ one step's parts
 
@@ -399,11 +399,6 @@ def _check_sizes(max_num_seqs: int, max_model_len: int, block_size: int, kv_cach
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
 
 
-def _decode_attention(attention: str, head_dim: int, is_cuda: bool,
-                      v_head_dim: int | None = None) -> Literal["torch", "triton"]:
-    """The decode attention backend an `attention` argument resolves to; ValueError if it cannot run."""
-    # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16;
-    # the kernel reads k and v with one head dim.
 def _resolve_device(device: torch.device | str) -> torch.device:
     """`device` with a CUDA index (the current device when it has none)."""
     device = torch.device(device)
@@ -412,6 +407,11 @@ def _resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def _decode_attention(attention: str, head_dim: int, is_cuda: bool,
+                      v_head_dim: int | None = None) -> Literal["torch", "triton"]:
+    """The decode attention backend an `attention` argument resolves to; ValueError if it cannot run."""
+    # A kernel tile spans a head: triton ranges need a power of two, tensor-core products >= 16;
+    # the kernel reads k and v with one head dim.
     kernel_fits = _is_pow2(head_dim) and head_dim >= 16 and v_head_dim in (None, head_dim)
     if attention == "auto":
         attention = "triton" if is_cuda and triton_available() and kernel_fits else "torch"
