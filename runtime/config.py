@@ -639,17 +639,12 @@ def check_colocation(cfg: "RLConfig") -> None:
         if inf.tensor_parallel != 1:
             raise ValueError(f"inference.tensor_parallel ({inf.tensor_parallel}) must be 1 with layout.colocate = "
                              "true: a colocated engine lives on its trainer's one GPU")
-    if lay.colocate is True and inf.backend != "native":
-        raise ValueError('layout.colocate = true needs inference.backend = "native": a colocated vLLM engine '
-                         "is not built yet (docs/inference.md)")
     if lay.gpu_memory_gib is not None and lay.colocate is False:
         raise ValueError("layout.gpu_memory_gib applies to a colocated layout (layout.colocate = true or \"auto\")")
     if inf.sleep_while_training:
         if cfg.max_off_policy_steps != 0:
             raise ValueError(f"inference.sleep_while_training needs max_off_policy_steps = 0 (got "
                              f"{cfg.max_off_policy_steps}): an asynchronous engine generates while the trainer steps")
-        if inf.backend != "native":
-            raise ValueError('inference.sleep_while_training needs inference.backend = "native"')
         if lay.colocate is False:
             raise ValueError("inference.sleep_while_training needs a colocated layout (layout.colocate = true or "
                              '"auto"): a split-layout engine has its GPU to itself')

@@ -108,7 +108,9 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
         device=total,
         engine_weights=2 * params,
         kv_cache=kv_budget(cfg, total),
-        engine_reserve=ENGINE_RESERVE + SAMPLER_BYTES * cfg.inference.max_num_seqs * vocab,
+        # vLLM's worker is one more process on the GPU, with its own CUDA context
+        engine_reserve=(ENGINE_RESERVE + SAMPLER_BYTES * cfg.inference.max_num_seqs * vocab
+                        + (CONTEXT if cfg.inference.backend == "vllm" else 0)),
         trainer_state=16 * params // cfg.layout.num_trainer_ranks,
         staging=2 * params,
         gathered_layer=2 * 2 * layer_params,  # bf16 weights and their gradients

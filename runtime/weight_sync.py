@@ -28,7 +28,9 @@ one flat buffer of the whole model in the inference dtype that both processes ma
 
 The buffer is never rewritten before the engine has copied the last version, and the engine
 never copies before the version is whole, so it never sees a half-written version; tokens record
-exact versions as in the split layout. The signals are int64 tensors on two gloo pair groups
+exact versions as in the split layout. A vLLM engine keeps its weights in its worker process:
+its rank hands the views of the buffer to `VLLMEngine.load_weights` (one device copy into the
+worker's parameters, runtime/engine/vllm_engine.py) instead of copying into its own. The signals are int64 tensors on two gloo pair groups
 (one per direction); the buffer's handle travels once, in a STAGING message (runtime/protocol.py).
 """
 
@@ -40,6 +42,7 @@ import math
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -238,18 +241,26 @@ class ColocatedSender:
 
 
 class ColocatedReceiver:
-    """Engine k's side: its model's parameters become views of one flat tensor laid out like the
-    trainer's buffer, so loading a version is one device copy."""
+    """Engine k's side. By default its model's parameters become views of one flat tensor laid out
+    like the trainer's buffer, so loading a version is one device copy. With `load` (an engine that
+    keeps its weights elsewhere, such as vLLM's worker process), each version is handed to
+    `load([(name, view of the trainer's buffer)])` instead, which must have copied what it needs
+    when it returns; `model` then only gives names and shapes (it may live on the meta device)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, peer: int,
-                 to_peer: dist.ProcessGroup, from_peer: dist.ProcessGroup) -> None:
+                 to_peer: dist.ProcessGroup, from_peer: dist.ProcessGroup,
+                 load: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> None:
         self.entries, numel = flat_plan(model)
-        self.flat = torch.empty(numel, dtype=dtype, device=device)
-        with torch.no_grad():
-            for (offset, shape), param in zip(self.entries, model.parameters(), strict=True):
-                view = self.flat[offset:offset + math.prod(shape)].view(shape)
-                view.copy_(param.detach())
-                param.data = view
+        self.names = [name for name, _ in model.named_parameters()]
+        self.load = load
+        self.flat: torch.Tensor | None = None
+        if load is None:
+            self.flat = torch.empty(numel, dtype=dtype, device=device)
+            with torch.no_grad():
+                for (offset, shape), param in zip(self.entries, model.parameters(), strict=True):
+                    view = self.flat[offset:offset + math.prod(shape)].view(shape)
+                    view.copy_(param.detach())
+                    param.data = view
         self.fingerprint = _fingerprint(self.entries, dtype)
         self.device, self.peer, self.to_peer, self.from_peer = device, peer, to_peer, from_peer
         self.buffer: torch.Tensor | None = None
@@ -277,7 +288,11 @@ class ColocatedReceiver:
 
     @torch.no_grad()
     def _copy(self, version: int) -> None:
-        self.flat.copy_(self.buffer)
+        if self.load is None:
+            self.flat.copy_(self.buffer)
+        else:
+            self.load([(name, self.buffer[offset:offset + math.prod(shape)].view(shape))
+                       for name, (offset, shape) in zip(self.names, self.entries, strict=True)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copied before the trainer may write again
         if self._signal is not None:

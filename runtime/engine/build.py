@@ -19,13 +19,15 @@ from meshrl.runtime.policy import build_policy, policy_skeleton
 
 def build_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
                  tp_group: torch.distributed.ProcessGroup | None = None,
-                 kv_cache_bytes: int | None = None) -> InferenceEngine:
+                 kv_cache_bytes: int | None = None, memory_bytes: int | None = None) -> InferenceEngine:
     """The engine of one inference rank; its weights are placeholders until the first weight sync.
-    `kv_cache_bytes`: a colocated engine's KV-cache budget (runtime/memory.py)."""
+    `kv_cache_bytes`: a colocated engine's KV-cache budget, `memory_bytes` all it may hold (vLLM's
+    share of the GPU; runtime/memory.py)."""
     if inf.backend == "vllm":
         from meshrl.runtime.engine.vllm_engine import build_vllm_engine
 
-        return build_vllm_engine(inf, model_cfg, device, dtype, seed=seed)
+        return build_vllm_engine(inf, model_cfg, device, dtype, seed=seed, kv_cache_bytes=kv_cache_bytes,
+                                 memory_bytes=memory_bytes)
     return build_native_engine(inf, model_cfg, device, dtype, seed, tp_group, kv_cache_bytes=kv_cache_bytes)
 
 

@@ -58,10 +58,17 @@ class InferenceRank:
         self.dtype = compute_dtype(cfg.model, device)
         colocated = layout.roles.colocated
         memory.cap_process(cfg, "inference", device)
-        kv_bytes = memory.kv_budget(cfg, memory.device_bytes(cfg)) if colocated and device.type == "cuda" else None
-        self.engine = build_engine(cfg.inference, cfg.model, device, self.dtype, cfg.seed, layout.tp_group, kv_bytes)
+        kv_bytes = engine_bytes = None
+        if colocated and device.type == "cuda":
+            budget = memory.plan(cfg, memory.device_bytes(cfg))
+            kv_bytes, engine_bytes = budget.kv_cache, budget.engine
+        self.engine = build_engine(cfg.inference, cfg.model, device, self.dtype, cfg.seed, layout.tp_group, kv_bytes,
+                                   engine_bytes)
+        # vLLM keeps its weights in its worker process: the trainer's buffer goes through load_weights
+        load = self.engine.load_weights if cfg.inference.backend == "vllm" else None
         self.colocated = (weight_sync.ColocatedReceiver(self.engine.model, self.dtype, device, layout.peer,
-                                                        layout.to_peer, layout.from_peer) if colocated else None)
+                                                        layout.to_peer, layout.from_peer, load=load)
+                          if colocated else None)
         self.controller = layout.roles.controller
         self.inbox = transport.Inbox(last_kinds=(Kind.STOP,))
         # before the first sync: never block the controller

@@ -237,6 +237,8 @@ class VLLMEngine:
         enforce_eager: bool = False,
         seed: int = 0,
         tokenizer: str | os.PathLike | None = None,
+        kv_cache_bytes: int | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
@@ -275,7 +277,13 @@ class VLLMEngine:
             # Sampling comes from our requests only, never from the folder's generation_config.json.
             generation_config="vllm",
             disable_log_stats=True,
+            # A colocated engine's KV cache is a budget (runtime/memory.py), not whatever vLLM's
+            # profile finds free while the trainer on the same GPU allocates.
+            kv_cache_memory_bytes=kv_cache_bytes,
+            # inference.sleep_while_training: the KV cache can be freed while the trainer steps
+            enable_sleep_mode=sleep_mode,
         )
+        self._asleep = False
         with _engine_env(self.device):
             self._engine = vllm.LLMEngine.from_engine_args(engine_args)
 
@@ -330,6 +338,33 @@ class VLLMEngine:
             return None
         self._engine.abort_request([str(request_id)])
         return live.completions(abort=True)[0]
+
+    # ------------------------------------------------------------------ sleeping (colocated, synchronous)
+
+    def sleep(self) -> int:
+        """Free the KV cache (and offload the weights to host memory) while no request is live, so
+        that the trainer on the same GPU can use the memory; returns the bytes the device gained.
+        Needs the engine built with sleep_mode (inference.sleep_while_training)."""
+        if self._live:
+            raise RuntimeError("the engine cannot sleep while requests are live")
+        if self._asleep:
+            return 0
+        free = (lambda: torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else (lambda: 0)
+        before = free()  # device-wide: vLLM's memory belongs to its worker process
+        self._engine.sleep(level=1)  # level 2 would drop buffers (rotary tables) that no weight sync restores
+        self._asleep = True
+        return max(0, free() - before)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether `sleep` freed the KV cache and `wake` has not taken it back yet."""
+        return self._asleep
+
+    def wake(self) -> None:
+        """Take the KV cache and the weights back after `sleep` (the cache's contents are gone)."""
+        if self._asleep:
+            self._engine.wake_up()
+            self._asleep = False
 
     # ------------------------------------------------------------------ weights
 
@@ -413,8 +448,13 @@ class VLLMEngine:
 # ----------------------------------------------------------------------------- building from the config
 
 
-def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: torch.dtype, seed: int) -> VLLMEngine:
+def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: torch.dtype, seed: int,
+                      kv_cache_bytes: int | None = None, memory_bytes: int | None = None) -> VLLMEngine:
     """The vLLM engine of one inference rank from `inference` (cfg) and `model` (model_cfg) sections.
+
+    A colocated engine (runtime/memory.py) gets `kv_cache_bytes` as its KV cache and `memory_bytes`
+    as all it may hold (weights, cache, graphs): gpu_memory_utilization becomes that share of the
+    GPU, and vLLM then checks at start-up that it is free.
 
     A fresh `model.flavor` has no HF folder: its config.json is written to a temporary folder for vLLM
     (which reads no weights from it: version 0 arrives by broadcast).
@@ -430,6 +470,10 @@ def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: tor
         (Path(path) / "config.json").write_text(json.dumps(args.to_hf_config(dtype=dtype), indent=2))
     # No tokenizer: requests are token ids and stop on token ids, so vLLM never detokenises (and a
     # tokenizer saved by our transformers need not load under vLLM's older one).
+    utilization = cfg.vllm.gpu_memory_utilization
+    if memory_bytes is not None:
+        utilization = min(0.95, memory_bytes / torch.cuda.get_device_properties(device).total_memory)
     return VLLMEngine(model, adapter, path, device=device, dtype=dtype, max_num_seqs=cfg.max_num_seqs,
-                      max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
-                      enforce_eager=cfg.vllm.enforce_eager, seed=seed)
+                      max_model_len=cfg.max_model_len, gpu_memory_utilization=utilization,
+                      enforce_eager=cfg.vllm.enforce_eager, seed=seed, kv_cache_bytes=kv_cache_bytes,
+                      sleep_mode=cfg.sleep_while_training)

@@ -26,8 +26,6 @@ MODEL = {"flavor": "debug", "tokenizer": "char"}
      "layout.num_inference_ranks (2) must equal layout.num_trainer_ranks (1)"),
     ({"layout": {"colocate": True, "num_trainer_ranks": 2, "num_inference_ranks": 2},
       "inference": {"tensor_parallel": 2}}, "inference.tensor_parallel (2) must be 1 with layout.colocate = true"),
-    ({"layout": {"colocate": True}, "inference": {"backend": "vllm"}},
-     'layout.colocate = true needs inference.backend = "native"'),
     ({"inference": {"sleep_while_training": True}}, "inference.sleep_while_training needs max_off_policy_steps = 0"),
     ({"inference": {"sleep_while_training": True}, "max_off_policy_steps": 0, "layout": {"colocate": False}},
      "inference.sleep_while_training needs a colocated layout"),

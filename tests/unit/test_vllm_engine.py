@@ -164,6 +164,13 @@ class FakeLLMEngine:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
+    def sleep(self, level=1, mode="abort"):
+        assert self.args["enable_sleep_mode"] and not self.requests
+        self.sleeps = getattr(self, "sleeps", 0) + 1
+
+    def wake_up(self, tags=None):
+        self.wakes = getattr(self, "wakes", 0) + 1
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
@@ -403,6 +410,50 @@ def test_receive_weights_follows_the_trainer_bucket_plan(fake_vllm, tmp_path, mo
     assert set(got) == set(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_colocated_weights_reach_vllm_from_the_trainers_buffer(fake_vllm, tmp_path, monkeypatch, tie):
+    """Colocated layout: the engine rank hands views of the trainer's shared buffer to vLLM's
+    load_weights (HF names, the values the trainer wrote), then signals "copied"."""
+    model = qwen3.Qwen3(tiny_args(tie))
+    model.init_weights(seed=2)
+    entries, numel = weight_sync.flat_plan(model)
+    trainer_buffer = torch.empty(numel)
+    for (offset, shape), (_, p) in zip(entries, model.named_parameters()):
+        trainer_buffer[offset:offset + p.numel()].view(shape).copy_(p.detach())
+    signals = []
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group=None: signals.append((int(t), dst)) or SimpleNamespace(
+        wait=lambda: None))
+    engine = make_engine(tmp_path, tie=tie)
+    receiver = weight_sync.ColocatedReceiver(engine.model, torch.float32, torch.device("cpu"), 0, None, None,
+                                             load=engine.load_weights)
+    assert receiver.flat is None  # vLLM's weights live in its worker, not in this process
+    receiver.buffer = trainer_buffer
+    receiver._copy(3)
+    (load,) = engine._engine.worker.model_runner.model.loads
+    want = qwen3.Qwen3StateDictAdapter(tiny_args(tie)).to_hf(dict(model.named_parameters()))
+    assert list(dict(load)) == list(want)
+    for name, tensor in load:
+        torch.testing.assert_close(tensor, want[name].detach(), rtol=0, atol=0)
+    assert signals == [(3, 0)]
+
+
+def test_colocated_engine_args_and_sleep(fake_vllm, tmp_path):
+    engine = make_engine(tmp_path, kv_cache_bytes=123 << 20, sleep_mode=True)
+    args = engine._engine.args
+    assert args["kv_cache_memory_bytes"] == 123 << 20 and args["enable_sleep_mode"] is True
+    engine.add(Request(1, [1, 2, 3], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="cannot sleep while requests are live"):
+        engine.sleep()
+    run_all(engine)
+    assert not engine.asleep
+    engine.sleep()
+    assert engine.asleep and engine._engine.sleeps == 1
+    engine.sleep()  # already asleep: nothing more
+    engine.wake()
+    assert not engine.asleep and (engine._engine.sleeps, engine._engine.wakes) == (1, 1)
+    assert make_engine(tmp_path)._engine.args["kv_cache_memory_bytes"] is None
 
 
 def test_pack_tensors():
