@@ -82,8 +82,11 @@ class TrainerRank:
     def sync(self) -> float:
         """Send the current weights to the inference ranks (broadcast, or the colocated buffer);
         returns the seconds it took on this side."""
-        start = time.perf_counter()
         layout = self.layout
+        if layout.device.type == "cuda":
+            # the optimizer step's kernels may still be queued: they belong to the step, not the sync
+            torch.cuda.synchronize(layout.device)
+        start = time.perf_counter()
         if self.colocated is not None:
             self.colocated.send(self.model, self.trainer.version)
         else:
