@@ -32,6 +32,11 @@ kernels there are host time the device waited for).
 
 Defaults: the 0.6B flavor in bf16 on CUDA, the demo's tiny flavor in fp32 on CPU. Nothing is
 asserted here; docs/benchmarks.md records runs.
+
+With `--compare vllm` or `--workloads`, the command runs the RL workload matrix instead (plain
+batches, GRPO groups, a 4k-token generation, multi-turn continuation, continuous refill), through
+the native engine and, with `--compare vllm`, through vLLM in the same run: see
+runtime/engine/bench_matrix.py.
 """
 
 from __future__ import annotations
@@ -228,6 +233,11 @@ def _build(opts: argparse.Namespace, device: torch.device, flavor: str, dtype: t
 
 
 def main(argv: list[str]) -> None:
+    if any(a.split("=")[0] in ("--compare", "--workloads", "--flavors") for a in argv):
+        from meshrl.runtime.engine import bench_matrix
+
+        bench_matrix.main(argv)
+        return
     opts = _parser().parse_args(argv)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,570 @@
+"""`meshrl bench engine --compare vllm`: the native engine and vLLM on an RL workload matrix.
+
+    meshrl bench engine --compare vllm [--flavors 0.6B,1.7B] [--workloads plain_8,grpo,...]
+                        [--out FILE.jsonl] [--scale 1.0] [--batch-scale 1.0] [--hbm-gbps 4800]
+                        [--device cuda|cpu] [--gpu-memory-utilization 0.9] [--vllm-timeout 420]
+    meshrl bench engine --workloads all          # the native engine alone on the same matrix
+
+Workloads (random prompts over the vocabulary, temperature 1, every token's logprob returned, no
+stop token: each sample runs to its max_tokens; P prompt tokens, G generated, `--scale` scales both,
+`--batch-scale` the numbers of prompts, requests and episodes):
+
+    plain_8, plain_64,     B sequences submitted at once, 128 + 512 tokens
+    plain_256, plain_512
+    grpo                   32 prompts x 16 samples (SamplingParams.n): 256 + 256, shared prompts
+    long_4k                2 prompts x 16 samples, 128 + 4096 (reasoning-trace length)
+    multiturn              64 episodes x 4 turns: 512 + 128, then each finished turn continues at
+                           once with its prompt + completion + 32 new tokens (a cached prefix)
+    refill                 512 requests kept 128 at a time (a new one as each finishes), prompts
+                           32-256 and completions 16-512 tokens, uniformly mixed
+
+Per model shape, one native engine and one vLLM engine serve every workload (vLLM's start-up is
+70-95 s on an H200). The native engine runs in this process; vLLM runs in a child process
+(`python -m meshrl.runtime.engine.bench_matrix`, so that its memory is gone when the child exits
+and its "mp" executor can re-import the main module), which prints its rows as JSON lines that
+this process forwards. Without vLLM installed the native engine runs alone and one line says so.
+
+Settings. Native: prefix sharing on, CUDA graphs on CUDA, every request seeded (its sampler is
+counter-based, seeds cost nothing). vLLM, its best fair settings: prefix caching on (the grpo,
+multiturn and long_4k rows share prefixes; the others have no hits to find), async scheduling,
+CUDA graphs + torch.compile (enforce_eager off), `logprobs=0` with processed logprobs (the
+engine protocol's contract), DELTA outputs, no per-request seeds (vLLM samples seeded requests on
+a slower path), its LLM-class defaults otherwise (max_num_batched_tokens; the native engine gets
+the same prefill budget). Both: max_num_seqs 512, one max_model_len for every row, the prefix
+cache reset between rows. Each row's `settings` field logs what was used.
+
+One JSON line per (shape, workload, engine):
+
+- tokens_per_s: generated tokens / wall time from the first submission to the last completion;
+- ttft_s: mean over samples of the time from their request's submission to their first token;
+- decode_step_ms: mean wall time of the steps that gave no sample its first token (and, native,
+  computed no prompt tokens): decode steps of whatever batch was running;
+- floor_step_ms: the HBM floor of a decode step: (weight bytes + KV bytes read) / bandwidth, the
+  KV bytes being every decoding sample's whole context (prefixes shared between samples counted
+  once per sample, as paged kernels read them), averaged over the fewest decode steps the
+  workload allows (its longest chain of dependent tokens, or its tokens / its concurrency);
+- floor_tokens_per_s = tokens / (those steps x floor_step_ms); wall_vs_floor and
+  step_vs_floor: measured over floor (1.0 = at the floor). Prefill is not in the floor.
+  Bandwidth by device name (H200 4.8 TB/s, H100 3.35, A100 2.0) or `--hbm-gbps`; none on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+MODULE = "meshrl.runtime.engine.bench_matrix"
+WORKLOADS = ("plain_8", "plain_64", "plain_256", "plain_512", "grpo", "long_4k", "multiturn", "refill")
+HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "B200": 8000.0}
+MAX_NUM_SEQS = 512
+PREFILL_TOKENS = 16384  # vLLM's LLM-class default max_num_batched_tokens on large GPUs; both get it
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """Requests of one row. prompts[i] gets n samples of max_tokens[i] tokens; with `concurrency`
+    at most that many requests are live at once (the rest are submitted as others finish); with
+    turns > 1 each finished sample continues as its own next request, adding turn_tokens."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    n: int = 1
+    concurrency: int | None = None
+    turns: int = 1
+    turn_tokens: list[list[int]] = field(default_factory=list)  # per episode: tokens the env adds each turn
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.n * self.turns
+
+    @property
+    def shares_prefix(self) -> bool:
+        return self.n > 1 or self.turns > 1
+
+    def max_context(self) -> int:
+        """Most tokens one sequence reaches (prompt + completions + added turns)."""
+        env = len(self.turn_tokens[0]) if self.turn_tokens else 0
+        return max(len(p) + self.turns * g + (self.turns - 1) * env for p, g in zip(self.prompts, self.max_tokens))
+
+
+def _scaled(x: int, scale: float) -> int:
+    return max(2, round(x * scale))
+
+
+def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0, batch_scale: float = 1.0) -> Workload:
+    """The workload `name` (module docstring) with prompt and completion lengths times `scale` and
+    numbers of prompts / requests / episodes times `batch_scale` (at least 1; samples per prompt stay)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)  # the same in every process
+
+    def prompts(num: int, length: int) -> list[list[int]]:
+        return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
+
+    def count(num: int) -> int:
+        return max(1, round(num * batch_scale))
+
+    P, G = _scaled(128, scale), _scaled(512, scale)
+    if name.startswith("plain_"):
+        B = count(int(name.removeprefix("plain_")))
+        return Workload(name, prompts(B, P), [G] * B)
+    if name == "grpo":
+        num = count(32)
+        return Workload(name, prompts(num, _scaled(256, scale)), [_scaled(256, scale)] * num, n=16)
+    if name == "long_4k":
+        num = count(2)
+        return Workload(name, prompts(num, P), [_scaled(4096, scale)] * num, n=16)
+    if name == "multiturn":
+        episodes = count(64)
+        env = prompts(episodes, _scaled(32, scale))
+        return Workload(name, prompts(episodes, _scaled(512, scale)), [_scaled(128, scale)] * episodes, turns=4,
+                        turn_tokens=env)
+    if name == "refill":
+        num = count(512)
+        lens = torch.randint(_scaled(32, scale), _scaled(256, scale) + 1, (num,), generator=g).tolist()
+        gens = torch.randint(_scaled(16, scale), _scaled(512, scale) + 1, (num,), generator=g).tolist()
+        return Workload(name, [p[:n] for p, n in zip(prompts(num, max(lens)), lens)], gens, concurrency=count(128))
+    raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+
+
+def decode_floor(w: Workload, weight_bytes: int, kv_bytes_per_token: int, gbps: float | None) -> dict:
+    """floor_step_ms and floor_tokens_per_s of a workload (module docstring), or {} without a bandwidth."""
+    if not gbps:
+        return {}
+    env = len(w.turn_tokens[0]) if w.turn_tokens else 0
+    kv_tokens, tokens = 0, 0
+    for prompt, gen in zip(w.prompts, w.max_tokens):
+        context = len(prompt)
+        for _ in range(w.turns):
+            # decode steps produce tokens 2..G of a turn, reading contexts P+1 .. P+G-1
+            kv_tokens += w.n * ((gen - 1) * context + (gen - 1) * gen // 2)
+            tokens += w.n * gen
+            context += gen + env
+    chain = max(w.max_tokens) * w.turns - w.turns
+    width = (w.concurrency or len(w.prompts)) * w.n
+    steps = max(chain, -(-(tokens - w.num_samples) // width), 1)
+    floor_s = (steps * weight_bytes + kv_tokens * kv_bytes_per_token) / (gbps * 1e9)
+    return {"floor_step_ms": 1e3 * floor_s / steps, "floor_tokens_per_s": tokens / floor_s, "floor_steps": steps}
+
+
+# ----------------------------------------------------------------------------- drivers
+
+
+class Driver(Protocol):
+    """One engine behind the timing loop: add samples, step, report first tokens and finishes."""
+
+    name: str
+
+    def add(self, rid: int, prompt: list[int], n: int, max_tokens: int) -> None: ...
+
+    def step(self) -> tuple[list[tuple[int, int, list[int], list[int]]], list[tuple[int, int]], bool]:
+        """-> (finished samples (rid, index, prompt, tokens), samples given their first token
+        (rid, index), whether the step computed prompt tokens)."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def reset(self) -> None: ...
+
+
+class NativeDriver:
+    """The native engine (runtime/engine/native.py) behind the timing loop."""
+
+    name = "native"
+
+    def __init__(self, engine: Any, seed: int = 0) -> None:
+        self.engine = engine
+        self.seed = seed
+
+    def add(self, rid: int, prompt: list[int], n: int, max_tokens: int) -> None:
+        from meshrl.runtime.engine.api import Request, SamplingParams
+
+        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=self.seed * 1_000_003 + rid * 64)
+        self.engine.add(Request(rid, prompt, sp))
+
+    def step(self):
+        engine = self.engine
+        first, prefilled = engine.num_first_tokens, engine.num_prefill_tokens
+        done = [(c.request_id, c.index, c.prompt_ids, c.token_ids) for c in engine.step()]
+        started: list[tuple[int, int]] = []
+        if engine.num_first_tokens != first:  # rare steps: find who started (one token so far)
+            started = [(s.request.request_id, s.index) for seqs in engine.scheduler.live.values() for s in seqs
+                       if len(s.tokens) - s.num_prompt == 1]
+            started += [(rid, i) for rid, i, _, tokens in done if len(tokens) == 1]
+        return done, started, engine.num_prefill_tokens != prefilled
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def reset(self) -> None:
+        self.engine.blocks.clear_prefix_cache()
+
+
+def drive(driver: Any, w: Workload) -> dict:
+    """Run a workload to the end through a driver -> its measurements (module docstring)."""
+    pending = deque(range(len(w.prompts)))
+    submitted: dict[int, float] = {}
+    first_at: dict[tuple[int, int], float] = {}
+    live, next_rid, tokens, turn_of = 0, len(w.prompts), 0, {}
+    decode_s, decode_steps, steps = 0.0, 0, 0
+
+    def submit(rid: int, prompt: list[int], max_tokens: int) -> None:
+        submitted[rid] = time.perf_counter()
+        driver.add(rid, prompt, w.n, max_tokens)
+
+    driver.reset()
+    start = last = time.perf_counter()
+    remaining = {}  # rid -> samples still running
+    while pending or driver.has_work():
+        while pending and (w.concurrency is None or live < w.concurrency):
+            i = pending.popleft()
+            turn_of[i] = (i, 0)
+            remaining[i] = w.n
+            submit(i, w.prompts[i], w.max_tokens[i])
+            live += 1
+        done, started, prefilled = driver.step()
+        now = time.perf_counter()
+        steps += 1
+        for key in started:
+            first_at.setdefault(key, now)
+        if not started and not prefilled and first_at:
+            decode_s += now - last
+            decode_steps += 1
+        last = now
+        for rid, index, prompt, out in done:
+            tokens += len(out)
+            first_at.setdefault((rid, index), now)
+            episode, turn = turn_of[rid]
+            if turn + 1 < w.turns:  # the episode continues at once from its cached prefix
+                rid2, next_rid = next_rid, next_rid + 1
+                turn_of[rid2] = (episode, turn + 1)
+                remaining[rid2] = w.n
+                submit(rid2, list(prompt) + list(out) + w.turn_tokens[episode], w.max_tokens[episode])
+                live += 1
+            remaining[rid] -= 1
+            if not remaining[rid]:
+                live -= 1
+    wall = time.perf_counter() - start
+    assert len(first_at) == w.num_samples, f"{w.name}: {len(first_at)} samples started, {w.num_samples} expected"
+    ttft = sum(first_at[key] - submitted[key[0]] for key in first_at) / len(first_at)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "ttft_s": ttft, "steps": steps,
+            "decode_steps": decode_steps, "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1)}
+
+
+def warm_up(driver: Any, vocab_size: int, num_seqs: int = MAX_NUM_SEQS, max_tokens: int | None = None) -> None:
+    """num_seqs prompts of 16 tokens; sample j runs for j + 1 tokens (or max_tokens), so the batch
+    shrinks by one per step and every decode graph bucket is captured before any timed row."""
+    prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
+    drive(driver, Workload("warmup", prompts, [max_tokens or j + 1 for j in range(num_seqs)]))
+
+
+# ----------------------------------------------------------------------------- one shape, one engine
+
+
+def model_bytes(family: str, flavor: str, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(weight bytes a decode step reads, KV bytes per token, vocabulary size) of a flavor, on meta.
+
+    A decode step reads every parameter except an untied input embedding (it gathers B rows)."""
+    from meshrl.models import get_family
+    from meshrl.runtime.engine.native import _Probe
+
+    fam = get_family(family)
+    with torch.device("meta"):
+        model = fam.model_cls(fam.flavors[flavor])
+        probe = _Probe()
+        model.hidden(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), probe)
+    numel = sum(p.numel() for p in model.parameters())
+    emb = model.tok_embeddings.weight
+    if model.output_weight is not emb:
+        numel -= emb.numel()
+    kv = sum(heads * (k + v if v else k) for _, heads, k, v in probe.layers) * dtype.itemsize
+    return numel * dtype.itemsize, kv, model.output_weight.shape[0]
+
+
+def run_native(spec: dict, emit) -> None:
+    """Every workload of spec through one native engine of spec's shape; emit(row) per workload."""
+    from meshrl.runtime.engine.bench import build_model
+    from meshrl.runtime.engine.native import NativeEngine
+
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    model, _ = build_model(spec["family"], spec["flavor"], device, dtype, spec["seed"])
+    engine = NativeEngine(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=spec["max_model_len"], device=device,
+                          dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
+                          prefix_sharing=True,
+                          cuda_graphs=device.type == "cuda", seed=spec["seed"])
+    settings = {"prefix_sharing": True, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
+                "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": PREFILL_TOKENS, "block_size": engine.block_size,
+                "max_model_len": spec["max_model_len"], "kv_cache_blocks": engine.kv.num_blocks,
+                "seeded_requests": True}
+    driver = NativeDriver(engine, spec["seed"])
+    start = time.perf_counter()
+    if device.type == "cuda":
+        warm_up(driver, engine.vocab_size)
+    settings["warmup_s"] = round(time.perf_counter() - start, 2)
+    for name in spec["workloads"]:
+        w = make_workload(name, engine.vocab_size, spec["scale"], spec["seed"], spec["batch_scale"])
+        emit({"engine": "native", "workload": name, **drive(driver, w), "settings": settings})
+
+
+def _row(spec: dict, stats: dict, w: Workload, bytes_: tuple[int, int, int], gbps: float | None) -> dict:
+    """A result line: the shape, the workload's sizes, the measurements and the floor."""
+    floor = decode_floor(w, bytes_[0], bytes_[1], gbps)
+    row = {"family": spec["family"], "flavor": spec["flavor"], "dtype": spec["dtype"], "engine": stats.pop("engine"),
+           "workload": w.name, "requests": len(w.prompts), "n": w.n, "turns": w.turns, "samples": w.num_samples,
+           "concurrency": w.concurrency, **stats, **floor}
+    if floor:
+        row["step_vs_floor"] = row["decode_step_ms"] / floor["floor_step_ms"]
+        row["wall_vs_floor"] = floor["floor_tokens_per_s"] / row["tokens_per_s"]
+    settings = row.pop("settings")
+    row["settings"] = settings
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+# ----------------------------------------------------------------------------- the vLLM side
+
+
+class VLLMDriver:
+    """vLLM's LLMEngine (in its default multiprocess mode) behind the timing loop; DELTA outputs."""
+
+    name = "vllm"
+
+    def __init__(self, engine: Any, vllm: Any, logprobs: bool = True) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine, self.vllm, self.logprobs = engine, vllm, logprobs
+        self._prompt, self._delta = TokensPrompt, RequestOutputKind.DELTA
+        self._live: dict[str, tuple[list[int], list[list[int]], int]] = {}  # rid -> (prompt, tokens per sample, left)
+
+    def add(self, rid: int, prompt: list[int], n: int, max_tokens: int) -> None:
+        params = self.vllm.SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
+                                          logprobs=0 if self.logprobs else None, output_kind=self._delta,
+                                          stop_token_ids=[], detokenize=False)
+        self.engine.add_request(str(rid), self._prompt(prompt_token_ids=list(prompt)), params)
+        self._live[str(rid)] = (list(prompt), [[] for _ in range(n)], n)
+
+    def step(self):
+        done, started = [], []
+        for out in self.engine.step():
+            prompt, samples, left = self._live[out.request_id]
+            rid = int(out.request_id)
+            for o in out.outputs:
+                if o.token_ids and not samples[o.index]:
+                    started.append((rid, o.index))
+                samples[o.index].extend(o.token_ids)
+                if o.finish_reason is not None:
+                    done.append((rid, o.index, prompt, samples[o.index]))
+                    left -= 1
+            if left:
+                self._live[out.request_id] = (prompt, samples, left)
+            else:
+                del self._live[out.request_id]
+        return done, started, False
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def reset(self) -> None:
+        if hasattr(self.engine, "reset_prefix_cache"):
+            self.engine.reset_prefix_cache()
+
+
+def vllm_settings(engine: Any, args: dict) -> dict:
+    """What vLLM actually runs with (its resolved config where it has one), for the rows' log."""
+    cfg = getattr(engine, "vllm_config", None)
+    out = {k: args[k] for k in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "max_num_seqs",
+                                "max_model_len", "gpu_memory_utilization", "logprobs_mode", "load_format")}
+    out["vllm_multiprocessing"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    out["seeded_requests"] = False
+    if cfg is not None:
+        sched, cache, comp = cfg.scheduler_config, cfg.cache_config, cfg.compilation_config
+        out.update(async_scheduling=sched.async_scheduling, max_num_batched_tokens=sched.max_num_batched_tokens,
+                   enable_prefix_caching=cache.enable_prefix_caching, block_size=cache.block_size,
+                   num_gpu_blocks=cache.num_gpu_blocks, cudagraph_mode=str(comp.cudagraph_mode),
+                   compilation_mode=str(comp.mode), enforce_eager=cfg.model_config.enforce_eager)
+    return out
+
+
+def run_vllm(spec: dict, emit) -> None:
+    """Every workload of spec through one vLLM engine of spec's shape (random "dummy" weights from a
+    config.json in a temporary folder, no tokenizer); emit(row) per workload."""
+    import vllm
+    from meshrl.models import get_family
+
+    fam = get_family(spec["family"])
+    args = fam.flavors[spec["flavor"]]
+    folder = tempfile.mkdtemp(prefix="meshrl-bench-vllm-")
+    (Path(folder) / "config.json").write_text(json.dumps(args.to_hf_config(dtype=getattr(torch, spec["dtype"]))))
+    engine_args = dict(model=folder, skip_tokenizer_init=True, dtype=spec["dtype"], seed=spec["seed"],
+                       max_model_len=spec["max_model_len"], max_num_seqs=MAX_NUM_SEQS,
+                       gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9), enforce_eager=False,
+                       enable_prefix_caching=True, async_scheduling=True, load_format="dummy",
+                       logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True)
+    start = time.perf_counter()
+    kwargs = {}
+    try:
+        from vllm.usage.usage_lib import UsageContext
+    except ImportError:  # the unit tests' fake vLLM has no usage module
+        pass
+    else:
+        kwargs["usage_context"] = UsageContext.LLM_CLASS  # what vllm.LLM uses: its defaults
+    engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**engine_args), **kwargs)
+    settings = vllm_settings(engine, engine_args)
+    settings["startup_s"] = round(time.perf_counter() - start, 1)
+    vocab = args.vocab_size
+    driver = VLLMDriver(engine, vllm)
+    start = time.perf_counter()
+    warm_up(driver, vocab, num_seqs=64, max_tokens=16)  # vLLM captured its graphs at start-up
+    settings["warmup_s"] = round(time.perf_counter() - start, 2)
+    for name in spec["workloads"]:
+        w = make_workload(name, vocab, spec["scale"], spec["seed"], spec["batch_scale"])
+        emit({"engine": "vllm", "workload": name, **drive(driver, w), "settings": settings})
+
+
+# ----------------------------------------------------------------------------- the command
+
+ROW_MARK = "MESHRL_BENCH_ROW "  # the child's result lines (vLLM logs to stdout too)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshrl bench engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--compare", choices=["vllm"], default=None, help="also run every workload through vLLM")
+    p.add_argument("--family", default="qwen3")
+    p.add_argument("--flavors", default=None, help="comma-separated; default 0.6B,1.7B on CUDA, tiny on CPU "
+                                                   "(add 8B where memory allows)")
+    p.add_argument("--workloads", default="all", help=f"comma-separated of {','.join(WORKLOADS)}, or all")
+    p.add_argument("--out", default=None, help="also append the rows to this JSONL file")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and completion length")
+    p.add_argument("--batch-scale", type=float, default=1.0, help="multiply every number of prompts/requests")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the floor (default by name)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
+    p.add_argument("--vllm-timeout", type=float, default=420.0, help="seconds for one shape's vLLM child")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _bandwidth(opts: argparse.Namespace, device: torch.device) -> float | None:
+    if opts.hbm_gbps or device.type != "cuda":
+        return opts.hbm_gbps
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in HBM_GBPS.items() if k in name), None)
+
+
+def _spec(opts: argparse.Namespace, flavor: str, workloads: list[str], dtype: torch.dtype, vocab: int) -> dict:
+    """What one shape's runs share (JSON: the vLLM child gets it on its command line)."""
+    made = [make_workload(name, vocab, opts.scale, opts.seed, opts.batch_scale) for name in workloads]
+    max_model_len = -(-(max(w.max_context() for w in made) + 1) // 16) * 16
+    blocks = max((w.concurrency or len(w.prompts)) * w.n * (max_model_len // 16) for w in made) + 1
+    return {"family": opts.family, "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
+            "device": opts.device, "seed": opts.seed, "scale": opts.scale, "batch_scale": opts.batch_scale,
+            "workloads": workloads,
+            "max_model_len": max_model_len, "gpu_memory_utilization": opts.gpu_memory_utilization,
+            "num_blocks": None if opts.device == "cuda" else 2 * blocks}
+
+
+def _run_vllm_child(spec: dict, timeout: float, emit) -> None:
+    """One shape's vLLM rows from a child process; a failure becomes an error row, not an exit."""
+    cmd = [sys.executable, "-m", MODULE, "--vllm-child", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:  # vLLM's own log lines pass through to stderr
+        if line.startswith(ROW_MARK):
+            emit(json.loads(line[len(ROW_MARK):]))
+        else:
+            print(line, end="", file=sys.stderr, flush=True)
+        if time.monotonic() > deadline:
+            proc.kill()
+    code = proc.wait()
+    if code != 0:
+        emit({"engine": "vllm", "error": f"the vLLM child exited with {code} (timeout {timeout:.0f} s); "
+                                         "its log is above on stderr"})
+
+
+def main(argv: list[str]) -> None:
+    opts = _parser().parse_args(argv)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("meshrl bench engine: --device cuda but CUDA is not available")
+    workloads = list(WORKLOADS) if opts.workloads == "all" else opts.workloads.split(",")
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"meshrl bench engine: unknown workload(s) {unknown} (known: {', '.join(WORKLOADS)})")
+    flavors = (opts.flavors or ("0.6B,1.7B" if device.type == "cuda" else "tiny")).split(",")
+    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    compare = opts.compare == "vllm"
+    if compare and not vllm_installed():
+        print("meshrl bench engine: vLLM is not installed here (docs/inference.md); running the native engine alone",
+              file=sys.stderr, flush=True)
+        compare = False
+    gbps = _bandwidth(opts, device)
+    out = open(opts.out, "a") if opts.out else None
+    for flavor in flavors:
+        bytes_ = model_bytes(opts.family, flavor, dtype)
+        spec = _spec(opts, flavor, workloads, dtype, bytes_[2])
+
+        def emit(stats: dict) -> None:
+            if "error" in stats:
+                row = {"family": spec["family"], "flavor": flavor, **stats}
+            else:
+                w = make_workload(stats["workload"], bytes_[2], spec["scale"], spec["seed"], spec["batch_scale"])
+                row = _row(spec, dict(stats, device=_device_name(device), hbm_gbps=gbps), w, bytes_, gbps)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if out is not None:
+                out.write(line + "\n")
+                out.flush()
+
+        run_native(spec, emit)
+        _free(device)
+        if compare:
+            _run_vllm_child(spec, opts.vllm_timeout, emit)
+    if out is not None:
+        out.close()
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _free(device: torch.device) -> None:
+    """Give the native engine's memory back before vLLM's child asks for its share of the GPU."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def child_main(spec_json: str) -> None:
+    """The vLLM child: run one shape's workloads, print each row after ROW_MARK."""
+    run_vllm(json.loads(spec_json), lambda row: print(ROW_MARK + json.dumps(row), flush=True))
+
+
+if __name__ == "__main__":  # vLLM's "mp" executor re-imports this module in its worker: build nothing then
+    if sys.argv[1:2] == ["--vllm-child"]:
+        child_main(sys.argv[2])
+    else:
+        main(sys.argv[1:])
