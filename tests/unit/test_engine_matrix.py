@@ -7,12 +7,22 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from meshrl.runtime.engine import bench_matrix as bm
 from meshrl.runtime.engine.vllm_engine import WORKER_EXTENSION
 from tests.unit.test_vllm_engine import FakeLLMEngine, fake_vllm  # noqa: F401 (fixture)
 
 SIZES = ["--scale", "0.01", "--batch-scale", "0.04"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matmuls: a second OpenMP thread only adds waits (seconds per test on a loaded 2-core box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _rows(capsys) -> list[dict]:
@@ -57,7 +67,6 @@ def test_native_matrix_runs_every_workload_on_cpu(capsys, tmp_path):
 def test_multiturn_continuations_hit_the_prefix_cache():
     from meshrl.runtime.engine.bench import build_model
     from meshrl.runtime.engine.native import NativeEngine
-    import torch
 
     model, _ = build_model("qwen3", "debug", torch.device("cpu"), torch.float32, 0)
     engine = NativeEngine(model, max_num_seqs=16, max_model_len=128, device="cpu", dtype=torch.float32)
@@ -101,3 +110,44 @@ def test_compare_without_vllm_says_so_and_runs_native(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert "vLLM is not installed here" in captured.err and captured.err.count("\n") == 1
     assert [json.loads(line)["engine"] for line in captured.out.splitlines()] == ["native"]
+
+
+FAKE_PACKAGE = {
+    "__init__.py": ("from tests.unit.test_vllm_engine import FakeEngineArgs as EngineArgs, FakeLLMEngine\n"
+                    "from tests.unit.test_vllm_engine import FakeSamplingParams as SamplingParams\n"
+                    "from meshrl.runtime.engine.vllm_engine import WORKER_EXTENSION\n"
+                    "class LLMEngine(FakeLLMEngine):\n"
+                    "    def __init__(self, engine_args):\n"
+                    "        engine_args.kwargs.setdefault('worker_extension_cls', WORKER_EXTENSION)\n"
+                    "        super().__init__(engine_args)\n"
+                    "print('a vLLM log line on stdout')\n"),
+    "inputs.py": "TokensPrompt = lambda **kwargs: dict(kwargs)\n",
+    "sampling_params.py": "from tests.unit.test_vllm_engine import FakeRequestOutputKind as RequestOutputKind\n",
+}
+
+
+@pytest.mark.slow  # two child processes, each importing torch
+def test_vllm_rows_come_back_from_the_child_process(tmp_path, monkeypatch, capsys):
+    """The parent -> child path: the child imports (fake) vllm, prints log lines and marked rows;
+    the parent forwards the rows with the floor added, and turns a crash into an error row."""
+    import pathlib
+
+    package = tmp_path / "vllm"
+    package.mkdir()
+    for name, text in FAKE_PACKAGE.items():
+        (package / name).write_text(text)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{root}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.syspath_prepend(str(tmp_path))  # so that this process finds vllm installed
+    bm.main(["--compare", "vllm", "--device", "cpu", "--flavors", "debug", "--workloads", "plain_8,grpo", *SIZES,
+             "--hbm-gbps", "50"])
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [(r["engine"], r["workload"]) for r in rows] == [("native", "plain_8"), ("native", "grpo"),
+                                                             ("vllm", "plain_8"), ("vllm", "grpo")]
+    assert rows[2]["tokens"] == rows[0]["tokens"] and rows[3]["floor_step_ms"] == rows[1]["floor_step_ms"]
+    (package / "inputs.py").write_text("raise RuntimeError('broken vllm')\n")
+    bm.main(["--compare", "vllm", "--device", "cpu", "--flavors", "debug", "--workloads", "plain_8", *SIZES])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[-1]["engine"] == "vllm" and "exited with 1" in rows[-1]["error"]
