@@ -9,8 +9,8 @@ Workloads (random prompts over the vocabulary, temperature 1, every token's logp
 stop token: each sample runs to its max_tokens; P prompt tokens, G generated, `--scale` scales both,
 `--batch-scale` the numbers of prompts, requests and episodes):
 
-    plain_8, plain_64,     B sequences submitted at once, 128 + 512 tokens
-    plain_256, plain_512
+    plain_8, plain_64      B sequences submitted at once, 128 + 512 tokens
+    plain_256, plain_512   the same with 128 + 256 tokens
     grpo                   32 prompts x 16 samples (SamplingParams.n): 256 + 256, shared prompts
     long_4k                2 prompts x 16 samples, 128 + 4096 (reasoning-trace length)
     multiturn              64 episodes x 4 turns: 512 + 128, then each finished turn continues at
@@ -122,8 +122,9 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0,
 
     P, G = _scaled(128, scale), _scaled(512, scale)
     if name.startswith("plain_"):
-        B = count(int(name.removeprefix("plain_")))
-        return Workload(name, prompts(B, P), [G] * B)
+        B = int(name.removeprefix("plain_"))
+        gen = G if B <= 64 else _scaled(256, scale)  # big batches are bandwidth-bound early: keep the run short
+        return Workload(name, prompts(count(B), P), [gen] * count(B))
     if name == "grpo":
         num = count(32)
         return Workload(name, prompts(num, _scaled(256, scale)), [_scaled(256, scale)] * num, n=16)
@@ -320,6 +321,7 @@ def run_native(spec: dict, emit) -> None:
     for name in spec["workloads"]:
         w = make_workload(name, engine.vocab_size, spec["scale"], spec["seed"], spec["batch_scale"])
         emit({"engine": "native", "workload": name, **drive(driver, w), "settings": settings})
+    engine.sleep()  # the KV cache and graphs go now: vLLM's child wants the memory next
 
 
 def _row(spec: dict, stats: dict, w: Workload, bytes_: tuple[int, int, int], gbps: float | None) -> dict:
