@@ -300,11 +300,16 @@ def model_bytes(family: str, flavor: str, dtype: torch.dtype) -> tuple[int, int,
 
 def run_native(spec: dict, emit) -> None:
     """Every workload of spec through one native engine of spec's shape; emit(row) per workload."""
-    from meshrl.runtime.engine.bench import build_model
+    from meshrl.models import get_family
     from meshrl.runtime.engine.native import NativeEngine
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    model, _ = build_model(spec["family"], spec["flavor"], device, dtype, spec["seed"])
+    fam = get_family(spec["family"])
+    with torch.device("meta"):
+        model = fam.model_cls(fam.flavors[spec["flavor"]])
+    model.to_empty(device=device)
+    model.init_weights(seed=spec["seed"])  # random weights, as runtime/engine/bench.py's
+    model = model.to(dtype)
     engine = NativeEngine(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=spec["max_model_len"], device=device,
                           dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
                           prefix_sharing=True,
