@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.models import deepseek_v3, glm4_moe, glm_moe_dsa, gpt_oss, llama3, minimax_m2, qwen3, qwen3_moe
+from meshrl.models import (deepseek_v3, glm4_moe, glm_moe_dsa, gpt_oss, llama3, minimax_m2, qwen3, qwen3_moe,
+                          qwen3_next)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         state_dict_adapter=glm_moe_dsa.GlmMoeDsaStateDictAdapter,
         parallel_plan=glm_moe_dsa.PARALLEL_PLAN,
     ),
+    # Hybrid Gated DeltaNet + full attention: one model class, three args classes; Qwen3.5's
+    # vision-language folders ("qwen3_5", "qwen3_5_moe") and the text-only types meshrl saves.
+    **{key: ModelFamily(name=key, args_cls=args_cls, model_cls=qwen3_next.Qwen3Next,
+                        flavors=flavors,
+                        state_dict_adapter=qwen3_next.Qwen3NextStateDictAdapter, parallel_plan=plan)
+       for key, args_cls, flavors, plan in [
+           ("qwen3_next", qwen3_next.Qwen3NextArgs, qwen3_next.NEXT_FLAVORS, qwen3_next.PARALLEL_PLAN),
+           ("qwen3_5", qwen3_next.Qwen3_5Args, qwen3_next.QWEN3_5_FLAVORS, qwen3_next.DENSE_PARALLEL_PLAN),
+           ("qwen3_5_text", qwen3_next.Qwen3_5Args, qwen3_next.QWEN3_5_FLAVORS, qwen3_next.DENSE_PARALLEL_PLAN),
+           ("qwen3_5_moe", qwen3_next.Qwen3_5MoeArgs, qwen3_next.QWEN3_5_MOE_FLAVORS, qwen3_next.PARALLEL_PLAN),
+           ("qwen3_5_moe_text", qwen3_next.Qwen3_5MoeArgs, qwen3_next.QWEN3_5_MOE_FLAVORS,
+            qwen3_next.PARALLEL_PLAN)]},
 }
 
 

@@ -4,6 +4,9 @@ The statistic is computed in fp32 whatever the activation dtype (bf16 squares lo
 the normalised activations are cast back to the input dtype, and only then multiplied by the
 weight. Keeping this exact order is what lets our logits match transformers to ~1e-6 in fp32
 and bit-for-bit in the common bf16 cases.
+
+`OffsetRMSNorm` is the zero-centred variant (Gemma, Qwen3-Next, Qwen3.5): weight stored as an
+offset from 1, normalised and scaled in fp32.
 """
 
 from __future__ import annotations
@@ -40,6 +43,27 @@ class RMSNorm(nn.Module):
         if self.weight_in_fp32:
             return (self.weight.float() * h).to(input_dtype)
         return self.weight * h.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class OffsetRMSNorm(nn.Module):
+    """y = (1 + weight) * (x / sqrt(mean(x^2) + eps)), all in fp32, cast back at the end.
+
+    The zero-centred RMSNorm of Gemma and Qwen3-Next / Qwen3.5 (HF's Qwen3NextRMSNorm): the stored
+    weight is an offset from 1, so a fresh norm has weight 0 (init rule `Constant(0.0)`).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
