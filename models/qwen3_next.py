@@ -215,6 +215,12 @@ class Qwen3NextArgs(HybridArgs):
                     mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
                     router_aux_loss_coef=text.get("router_aux_loss_coef", 0.001))
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_experts and self.shared_hidden_dim < 1:
+            # transformers builds a shared expert (and its gate) on every MoE layer of Qwen3-Next.
+            raise ValueError("Qwen3-Next MoE layers need shared_expert_intermediate_size >= 1")
+
     def _ffn_to_hf(self) -> dict[str, Any]:
         return {"intermediate_size": self.hidden_dim, "moe_intermediate_size": self.moe_hidden_dim,
                 "shared_expert_intermediate_size": self.shared_hidden_dim, "num_experts": self.num_experts,

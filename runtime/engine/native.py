@@ -68,6 +68,7 @@ schedulers stay in lockstep.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -79,9 +80,12 @@ from torch import nn
 
 from meshrl.runtime.engine.api import Completion, Request
 from meshrl.runtime.engine.kv_cache import BlockManager, KVCache, triton_available
+from meshrl.runtime.engine.recurrent_state import RecurrentStates
 from meshrl.runtime.engine.runner import ModelRunner
 from meshrl.runtime.engine.scheduler import Scheduler
 from meshrl.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class _Probe:
@@ -90,6 +94,7 @@ class _Probe:
 
     def __init__(self) -> None:
         self.layers: list[tuple[int, int, int, int]] = []
+        self.linear: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # layer -> (conv, delta-rule) state shapes
 
     def attend(self, layer_id, q, k, v, window=None, sinks=None):
         self.layers.append((layer_id, k.shape[1], k.shape[3], v.shape[3]))
@@ -100,6 +105,13 @@ class _Probe:
         # MLA (models/common/mla.py): one kv "head" of latent + rope key (+ index key) per token, no values.
         self.layers.append((layer_id, 1, latent.shape[-1] + k_rope.shape[-1] + index_dim, 0))
         return q_nope.new_zeros(*q_nope.shape[:-1], v_head_dim)  # a throw-away forward
+
+    def attend_linear(self, layer_id, qkv, g, beta, mix):
+        # A linear-attention layer (models/common/linear_attention.py): recurrent state, no k/v.
+        starts = torch.ones(qkv.shape[:2], dtype=torch.bool, device=qkv.device)
+        o, conv_state, state = mix(qkv, g, beta, starts, None, None)
+        self.linear[layer_id] = (tuple(conv_state.shape[1:]), tuple(state.shape[1:]))
+        return o
 
 
 @dataclass(eq=False)
@@ -182,14 +194,21 @@ class NativeEngine:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         # Positions 0..max_model_len-2 hold k/v: the last token of a full-length sequence is never fed.
         self.max_blocks = math.ceil((max_model_len - 1) / block_size)
-        layer_ids, num_kv_heads, head_dim, v_head_dim = self._probe()
+        layer_ids, num_kv_heads, head_dim, v_head_dim, linear = self._probe()
         self.attention = _decode_attention(attention, head_dim, is_cuda, v_head_dim)
+        # Linear-attention layers (Qwen3-Next, Qwen3.5): a state slot per row, allocated before
+        # the KV cache is sized from the memory left (runtime/engine/recurrent_state.py).
+        self.states = RecurrentStates(linear, max_num_seqs, self.device, dtype) if linear else None
+        if linear and prefix_sharing:
+            logger.info("native engine: prefix sharing is off for this model: its linear-attention layers keep a "
+                        "recurrent state per sequence that a shared prefix would skip")
+            self.prefix_sharing = prefix_sharing = False
         self.kv = self._make_cache(layer_ids, num_kv_heads, (head_dim, v_head_dim), num_blocks,
                                    kv_cache_memory_fraction, kv_cache_bytes)
         self.blocks = BlockManager(self.kv.num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv, max_num_seqs=max_num_seqs, max_blocks=self.max_blocks,
                                   block_size=block_size, device=self.device, attention=self.attention,
-                                  cuda_graphs=cuda_graphs, tp_group=self.tp_group)
+                                  cuda_graphs=cuda_graphs, tp_group=self.tp_group, states=self.states)
         self.scheduler = Scheduler(self.blocks, self.kv, self.runner.rows, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens, prefix_sharing=prefix_sharing,
                                    detokenize=detokenize)
@@ -199,9 +218,10 @@ class NativeEngine:
         self.num_prefill_tokens = 0
         """Prompt tokens computed so far (what prefix sharing saves shows here)."""
 
-    def _probe(self) -> tuple[list[int], int, int, int]:
+    def _probe(self) -> tuple[list[int], int, int, int, dict]:
         """One throw-away forward -> the model's attention layer ids, k/v heads, k and v head dims
-        (ValueError if its layers differ: the cache has one shape for all of them)."""
+        (ValueError if its layers differ: the cache has one shape for all of them), and the state
+        shapes of its linear-attention layers by layer id."""
         with torch.inference_mode():
             probe = _Probe()
             one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -212,7 +232,7 @@ class NativeEngine:
             if tuple(shape) != first:
                 raise ValueError(f"attention layer {layer_id} has (kv heads, k dim, v dim) {tuple(shape)}, layer "
                                  f"{layer_ids[0]} {first}: the native engine's KV cache needs one shape for all layers")
-        return layer_ids, *first
+        return layer_ids, *first, probe.linear
 
     def _make_cache(self, layer_ids: list[int], num_kv_heads: int, head_dims: tuple[int, int],
                     num_blocks: int | None, kv_cache_memory_fraction: float, kv_cache_bytes: int | None) -> KVCache:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
+from meshrl.runtime.engine.recurrent_state import HybridPagedAttention, RecurrentStates
 from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 from meshrl.runtime.engine.sequence import Sequence
 
@@ -100,8 +101,9 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv: KVCache, *, max_num_seqs: int, max_blocks: int, block_size: int,
                  device: torch.device, attention: Literal["torch", "triton"], cuda_graphs: bool,
-                 tp_group: torch.distributed.ProcessGroup | None) -> None:
+                 tp_group: torch.distributed.ProcessGroup | None, states: RecurrentStates | None = None) -> None:
         self.model = model
+        self.states = states  # linear-attention layers' per-row states (None: the model has none)
         self.kv = kv
         self.max_blocks = max_blocks
         self.block_size = block_size
@@ -118,6 +120,7 @@ class ModelRunner:
         self._host_out = [torch.empty((2, max_num_seqs), dtype=torch.float64, pin_memory=True)
                           for _ in range(2)] if device.type == "cuda" else []  # two: a launch's copy never overwrites unread tokens
         self._host_flip = 0
+        self._row_ids = torch.arange(max_num_seqs, device=device)  # decode row b is state slot b
         self._sampling_key: tuple[int, int] | None = None
         self._sampling_batch: SamplingBatch | None = None
 
@@ -148,7 +151,13 @@ class ModelRunner:
         blocks = tables.gather(1, (positions // bs).clamp(max=nb - 1))
         slots = torch.where(offsets < lengths[:, None], blocks * bs + positions % bs, NULL_BLOCK)  # pads: null block
         fresh = all(seq.num_computed == 0 for seq, _ in rows)
-        attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
+        if self.states is None:
+            attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
+        else:
+            attn = HybridPagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh,
+                                        states=self.states, rows=torch.tensor([seq.row for seq, _ in rows], device=device),
+                                        fresh_rows=[seq.num_computed == 0 for seq, _ in rows],
+                                        lengths=[n for _, n in rows])
         return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
 
     def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
@@ -226,8 +235,13 @@ class ModelRunner:
     def _decode_forward(self, B: int, nb: int) -> torch.Tensor:
         """The decode forward over rows [0, B) of the buffers -> logits (B, V): what a graph captures."""
         inputs = self.rows.inputs
-        attn = PagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
-                              self.rows.context_lens[:B], backend=self.attention)
+        if self.states is None:
+            attn = PagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
+                                  self.rows.context_lens[:B], backend=self.attention)
+        else:
+            attn = HybridPagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
+                                        self.rows.context_lens[:B], backend=self.attention, states=self.states,
+                                        rows=self._row_ids[:B])
         hidden = self.model.hidden(inputs[0, :B], inputs[1, :B], attn)  # (B, 1, dim)
         return F.linear(hidden[:, -1], self.model.output_weight)
 
