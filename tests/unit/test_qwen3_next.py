@@ -157,6 +157,28 @@ def test_engine_matches_transformers_and_trainer(name, tmp_path):
     check_engine(model, hf, VOCAB)
 
 
+def test_engine_states_survive_chunked_prefill_preemption_and_pad_rows(tmp_path):
+    """Prompts prefilled in chunks, sequences preempted and recomputed (a tiny KV cache), decode
+    launches with pad rows (emulated CUDA graphs round the batch up): the greedy tokens equal
+    transformers' and every sampled logprob equals the trainer's full forward."""
+    from meshrl.runtime.engine.api import Request, SamplingParams, generate
+    from tests.family_checks import make_engine, trainer_logprobs
+    from tests.unit.test_engine import emulate_cuda_graphs
+
+    args = tiny("next")
+    model = build(args, scale=4.0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (11, 6, 9)]
+    engine = emulate_cuda_graphs(make_engine(model, num_blocks=17, max_num_batched_tokens=5))
+    assert engine.states is not None and not engine.prefix_sharing
+    done = generate(engine, [Request(i, p, SamplingParams(temperature=1.0, max_tokens=16, seed=i))
+                             for i, p in enumerate(prompts)])
+    assert engine.num_preemptions > 0
+    for c in done:
+        ref = trainer_logprobs(model, c.prompt_ids, c.token_ids)
+        assert (torch.tensor(c.logprobs) - ref).abs().max().item() <= 1e-5
+
+
 def test_flavors_and_config_round_trip():
     for flavors, cls in [(NEXT_FLAVORS, Qwen3NextArgs), (QWEN3_5_FLAVORS, Qwen3_5Args),
                          (QWEN3_5_MOE_FLAVORS, Qwen3_5MoeArgs)]:
