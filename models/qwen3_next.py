@@ -236,6 +236,8 @@ class Qwen3_5Args(HybridArgs):
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5", "qwen3_5_text")
     LABEL: ClassVar[str] = "Qwen3.5"
     ARCHITECTURE: ClassVar[str] = "Qwen3_5ForCausalLM"
+    moe_hidden_dim: int = 0
+    shared_hidden_dim: int = 0
 
     @classmethod
     def _ffn_from_hf(cls, text: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +255,7 @@ class Qwen3_5MoeArgs(HybridArgs):
     LABEL: ClassVar[str] = "Qwen3.5-MoE"
     ARCHITECTURE: ClassVar[str] = "Qwen3_5MoeForCausalLM"
     num_experts: int = 8
+    hidden_dim: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -322,12 +325,16 @@ INIT_RULES = (
     ("*", NORMAL),
 )
 
+# Sharding plan as data (Qwen3-MoE's for the MoE families). `no_cp`: a DeltaNet recurrence runs
+# over the whole row, which context parallelism splits over ranks (refused before launch).
+_NO_CP = "linear-attention (Gated DeltaNet) layers run a recurrence over the whole row"
 PARALLEL_PLAN: dict[str, Any] = {
     "fsdp_units": ["layers.*"],
     "expert_fsdp_units": ["layers.*.moe.experts"],
     "ep": {"layers.*.moe.experts": "shard_dim0"},
+    "no_cp": _NO_CP,
 }
-DENSE_PARALLEL_PLAN: dict[str, Any] = {"fsdp_units": ["layers.*"]}
+DENSE_PARALLEL_PLAN: dict[str, Any] = {"fsdp_units": ["layers.*"], "no_cp": _NO_CP}
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,11 +23,12 @@ def compute_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
-def check_model_source(cfg: ModelConfig, ep: int = 1) -> None:
+def check_model_source(cfg: ModelConfig, ep: int = 1, cp: int = 1) -> None:
     """Fail early (before any process group) when the model folder is missing or incomplete, its
     model_type cannot be served by the chosen implementation (`cfg.impl`; a config the native
-    family refuses is an error for "native" and falls back to the generic path for "auto"), or
-    expert parallelism `ep` (trainer.parallel.ep) asks for experts the implementation lacks."""
+    family refuses is an error for "native" and falls back to the generic path for "auto"),
+    expert parallelism `ep` (trainer.parallel.ep) asks for experts the implementation lacks, or
+    context parallelism `cp` for a native family whose plan refuses it (`no_cp`: linear attention)."""
     if cfg.path is not None:
         folder = Path(cfg.path)
         if not folder.is_dir():
@@ -41,11 +42,21 @@ def check_model_source(cfg: ModelConfig, ep: int = 1) -> None:
         if impl == "hf":
             check_generic_config(config)
         check_expert_parallel(config["model_type"], impl, ep)
+        if impl == "native":
+            _check_context_parallel(config["model_type"], cp)
     else:
         family = get_family(cfg.family)
         if cfg.flavor not in family.flavors:
             raise ValueError(f"model.flavor: unknown flavor {cfg.flavor!r} of {cfg.family} (known: {sorted(family.flavors)})")
         check_expert_parallel(cfg.family, "native", ep)
+        _check_context_parallel(cfg.family, cp)
+
+
+def _check_context_parallel(model_type: str, cp: int) -> None:
+    reason = get_family(model_type).parallel_plan.get("no_cp")
+    if cp > 1 and reason:
+        raise ValueError(f"trainer.parallel.cp = {cp}: model_type {model_type!r} has no context parallelism "
+                         f"({reason}); use cp = 1")
 
 
 def load_tokenizer_for(cfg: ModelConfig):

@@ -36,7 +36,7 @@ MODULE = "meshrl.runtime.rl"
 
 def preflight(cfg: RLConfig) -> None:
     """Checks that need no process group: model folder, world size, devices."""
-    check_model_source(cfg.model, cfg.trainer.parallel.ep)
+    check_model_source(cfg.model, cfg.trainer.parallel.ep, cfg.trainer.parallel.cp)
     check_tensor_parallel_model(cfg.inference, cfg.model)
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)

@@ -28,7 +28,7 @@ MODULE = "meshrl.runtime.sft"
 
 
 def preflight(cfg: SFTConfig) -> None:
-    check_model_source(cfg.model, cfg.trainer.parallel.ep)
+    check_model_source(cfg.model, cfg.trainer.parallel.ep, cfg.trainer.parallel.cp)
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "sft")

@@ -179,6 +179,23 @@ def test_engine_states_survive_chunked_prefill_preemption_and_pad_rows(tmp_path)
         assert (torch.tensor(c.logprobs) - ref).abs().max().item() <= 1e-5
 
 
+def test_context_parallel_is_refused(tmp_path):
+    """Before launch (`check_model_source`, one line naming trainer.parallel.cp), and by the layer
+    itself under a context-parallel attention context."""
+    from meshrl.parallel.context_parallel import ContextParallelAttention
+    from meshrl.runtime.config import ModelConfig
+    from meshrl.runtime.policy import check_model_source
+
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        check_model_source(ModelConfig(flavor="debug", family=family, tokenizer="char"), cp=1)
+        with pytest.raises(ValueError, match=r"trainer.parallel.cp = 2: model_type .* linear-attention"):
+            check_model_source(ModelConfig(flavor="debug", family=family, tokenizer="char"), cp=2)
+    model = build(tiny("3.5"))
+    cp = ContextParallelAttention(torch.zeros(1, 8, dtype=torch.long), torch.arange(4))
+    with pytest.raises(ValueError, match="context parallelism"):
+        model(torch.zeros(1, 4, dtype=torch.long), positions(1, 4), cp)
+
+
 def test_flavors_and_config_round_trip():
     for flavors, cls in [(NEXT_FLAVORS, Qwen3NextArgs), (QWEN3_5_FLAVORS, Qwen3_5Args),
                          (QWEN3_5_MOE_FLAVORS, Qwen3_5MoeArgs)]:
