@@ -140,7 +140,8 @@ class NativeEngine:
         `kv_cache_memory_fraction` of the device memory left free once the model is loaded.
     max_num_batched_tokens: prefill tokens per step (padded B x T); default max(8192, max_model_len).
     prefix_sharing: prefix cache and prefill-once forks of identical prompts (off: every sequence
-        computes its whole prompt).
+        computes its whole prompt; always off for models with linear-attention layers, whose
+        per-row recurrent states live in `states`, runtime/engine/recurrent_state.py).
     cuda_graphs: capture decode forwards (default: on for CUDA). attention: decode attention
         backend, "torch" (gather + SDPA) or "triton" (paged kernel, CUDA); "auto" picks triton when
         it can. detokenize: ids -> text, needed by requests with stop strings. seed: the engine's
@@ -196,13 +197,7 @@ class NativeEngine:
         self.max_blocks = math.ceil((max_model_len - 1) / block_size)
         layer_ids, num_kv_heads, head_dim, v_head_dim, linear = self._probe()
         self.attention = _decode_attention(attention, head_dim, is_cuda, v_head_dim)
-        # Linear-attention layers (Qwen3-Next, Qwen3.5): a state slot per row, allocated before
-        # the KV cache is sized from the memory left (runtime/engine/recurrent_state.py).
-        self.states = RecurrentStates(linear, max_num_seqs, self.device, dtype) if linear else None
-        if linear and prefix_sharing:
-            logger.info("native engine: prefix sharing is off for this model: its linear-attention layers keep a "
-                        "recurrent state per sequence that a shared prefix would skip")
-            self.prefix_sharing = prefix_sharing = False
+        self.states = self._make_states(linear)  # before the KV cache is sized from the memory left
         self.kv = self._make_cache(layer_ids, num_kv_heads, (head_dim, v_head_dim), num_blocks,
                                    kv_cache_memory_fraction, kv_cache_bytes)
         self.blocks = BlockManager(self.kv.num_blocks, block_size)
@@ -210,7 +205,8 @@ class NativeEngine:
                                   block_size=block_size, device=self.device, attention=self.attention,
                                   cuda_graphs=cuda_graphs, tp_group=self.tp_group, states=self.states)
         self.scheduler = Scheduler(self.blocks, self.kv, self.runner.rows, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens, prefix_sharing=prefix_sharing,
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   prefix_sharing=self.prefix_sharing,
                                    detokenize=detokenize)
         self._rng = random.Random(seed)  # seeds of samples whose request has none
         self._pending_aborts: list[Completion] = []
@@ -233,6 +229,17 @@ class NativeEngine:
                 raise ValueError(f"attention layer {layer_id} has (kv heads, k dim, v dim) {tuple(shape)}, layer "
                                  f"{layer_ids[0]} {first}: the native engine's KV cache needs one shape for all layers")
         return layer_ids, *first, probe.linear
+
+    def _make_states(self, linear: dict) -> RecurrentStates | None:
+        """Linear-attention layers (Qwen3-Next, Qwen3.5): a state slot per row
+        (runtime/engine/recurrent_state.py), and no prefix sharing, which would skip their state."""
+        if not linear:
+            return None
+        if self.prefix_sharing:
+            logger.info("native engine: prefix sharing is off for this model: its linear-attention layers keep a "
+                        "recurrent state per sequence that a shared prefix would skip")
+            self.prefix_sharing = False
+        return RecurrentStates(linear, self.max_num_seqs, self.device, self.dtype)
 
     def _make_cache(self, layer_ids: list[int], num_kv_heads: int, head_dims: tuple[int, int],
                     num_blocks: int | None, kv_cache_memory_fraction: float, kv_cache_bytes: int | None) -> KVCache:
