@@ -154,8 +154,9 @@ class ModelRunner:
         if self.states is None:
             attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
         else:
+            state_rows = torch.tensor([seq.row for seq, _ in rows], device=device)  # each row's state slot
             attn = HybridPagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh,
-                                        states=self.states, rows=torch.tensor([seq.row for seq, _ in rows], device=device),
+                                        states=self.states, rows=state_rows,
                                         fresh_rows=[seq.num_computed == 0 for seq, _ in rows],
                                         lengths=[n for _, n in rows])
         return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
