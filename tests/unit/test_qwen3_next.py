@@ -188,7 +188,7 @@ def test_context_parallel_is_refused(tmp_path):
 
     for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         check_model_source(ModelConfig(flavor="debug", family=family, tokenizer="char"), cp=1)
-        with pytest.raises(ValueError, match=r"trainer.parallel.cp = 2: model_type .* linear-attention"):
+        with pytest.raises(ValueError, match=r"trainer.parallel.cp = 2: model_type .*linear-attention"):
             check_model_source(ModelConfig(flavor="debug", family=family, tokenizer="char"), cp=2)
     model = build(tiny("3.5"))
     cp = ContextParallelAttention(torch.zeros(1, 8, dtype=torch.long), torch.arange(4))
