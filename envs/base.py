@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Example", "Environment", "Episode", "EpisodeEnvironment", "Reward", "SingleTurnEpisode", "TextEpisode",
-           "Turn", "as_reward", "decode_reply", "make_episode"]
+           "Turn", "as_reward", "decode_reply", "make_episode", "stop_token_ids"]
 
 
 @dataclass
@@ -143,10 +143,21 @@ class EpisodeEnvironment(Protocol):
         ...
 
 
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a sampled turn: eos first, then the tokenizer's ``stop_tokens`` (a chat
+    model's end-of-turn token beside its end of text; runtime/tokenizer.py says where they come from)."""
+    ids = [tokenizer.eos_token_id]
+    for token in getattr(tokenizer, "init_kwargs", {}).get("stop_tokens") or ():
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
+
+
 def decode_reply(tokenizer: Any, completion_ids: list[int]) -> str:
-    """A sampled turn as text, without the trailing eos token the engine stopped on."""
+    """A sampled turn as text, without the trailing stop token (eos or end of turn) the engine stopped on."""
     ids = list(completion_ids)
-    if ids and ids[-1] == tokenizer.eos_token_id:
+    if ids and ids[-1] in stop_token_ids(tokenizer):
         ids = ids[:-1]
     return tokenizer.decode(ids)
 

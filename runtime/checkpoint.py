@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrl.envs.base import stop_token_ids
 from meshrl.models.hf import save_hf_model
 from meshrl.parallel import full_tensors
 from meshrl.runtime.rundir import check_run_dir_free, log, restart_count
@@ -91,8 +92,9 @@ def export_hf(model: nn.Module, args, tokenizer, path: Path, leader: bool) -> Pa
     if leader:
         with tempfile.TemporaryDirectory() as tok_dir:
             save_tokenizer(tokenizer, tok_dir)
+            stop = list(stop_token_ids(tokenizer))  # generation_config.json lists every stop id
             save_hf_model(state, args, path, tokenizer_dir=tok_dir, bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                          eos_token_id=stop[0] if len(stop) == 1 else stop, pad_token_id=tokenizer.pad_token_id)
         log.info("saved the policy to %s", path)
     return path
 

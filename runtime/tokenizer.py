@@ -1,21 +1,33 @@
-"""A character-level tokenizer built in code, for tiny models, tests and CPU demos.
+"""Tokenizers built in code, for tiny models, tests and CPU demos, and loading a saved one.
 
-No files or hub access are needed: the vocabulary is three special tokens followed by the
-printable ASCII characters, one token each. Saved with ``save_pretrained`` next to a model,
-the folder loads with ``AutoTokenizer.from_pretrained`` like any other checkpoint.
+No files or hub access are needed. Saved with ``save_pretrained`` next to a model, the folder
+loads with ``AutoTokenizer.from_pretrained`` like any other checkpoint.
 
-Vocabulary: ``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2, then `CHARACTERS` in order.
+`build_char_tokenizer`: three special tokens followed by the printable ASCII characters, one
+token each. Vocabulary: ``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2, then `CHARACTERS` in order.
 Encoding gives exactly one id per character and adds no bos/eos; characters outside the
 vocabulary are dropped (there is no unknown token).
+
+`build_bpe_tokenizer`: a real byte-level BPE (the tokenizers library's trainer) learnt from a
+small corpus, shaped like a chat model's: special tokens ``<|endoftext|>`` (eos), ``<|pad|>``,
+``<|im_start|>``, ``<|im_end|>``, a ChatML chat template, and two stop ids (end of text and end
+of turn), so the runtime is exercised on what real checkpoints look like, offline.
+
+Several stop ids: a tokenizer's ``stop_tokens`` (a tokenizer_config.json entry) name tokens that
+end a turn besides eos; `load_tokenizer` adds a model folder's generation_config.json
+``eos_token_id`` list to them (envs/base.py's `stop_token_ids` reads them).
 """
 
+import json
 import string
+from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-__all__ = ["CHARACTERS", "SPECIAL_TOKENS", "build_char_tokenizer", "save_tokenizer", "load_tokenizer"]
+__all__ = ["BPE_SPECIAL_TOKENS", "CHARACTERS", "CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_bpe_tokenizer",
+           "build_char_tokenizer", "save_tokenizer", "load_tokenizer"]
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 # string.printable minus vertical tab, form feed and carriage return; "\t", "\n" and " " stay.
@@ -47,6 +59,41 @@ def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
     )
 
 
+BPE_SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML, as Qwen's instruct models write chats (without tools or thinking)."""
+_BPE_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. What is two plus three? Two plus three is five.\n"
+    "Reverse the word: hello. olleh. Please answer with one word. Yes, no, maybe, thank you.\n"
+    "0123456789 + - * / = ( ) [ ] { } : ; , . ! ? ' \" the and of to in is you that it for on with as\n"
+)
+
+
+def build_bpe_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer learnt from ``corpus`` (default: a few built-in lines), with the
+    special tokens, chat template and stop tokens described in the module docstring.
+
+    Every byte has a token, so any text encodes and decodes back exactly. Training is
+    deterministic: the same corpus gives the same vocabulary and merges."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(list(corpus) if corpus is not None else _BPE_CORPUS.splitlines(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        chat_template=CHATML_TEMPLATE,
+        stop_tokens=["<|im_end|>"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
     """Write the tokenizer files into the folder ``path`` (created if missing)."""
     tokenizer.save_pretrained(str(path))
@@ -57,4 +104,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"no tokenizer at {folder}: expected {folder / 'tokenizer.json'} (see save_tokenizer)")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    generation = folder / "generation_config.json"
+    if generation.is_file():  # a model folder: its generation config may list several eos ids
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        stop = list(tokenizer.init_kwargs.get("stop_tokens") or [])
+        for token in tokenizer.convert_ids_to_tokens([i for i in ids if i != tokenizer.eos_token_id]):
+            if token not in stop:
+                stop.append(token)
+        tokenizer.init_kwargs["stop_tokens"] = stop
+    return tokenizer

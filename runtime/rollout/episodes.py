@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from meshrl.envs.base import Episode, Example, Reward, as_reward, make_episode
+from meshrl.envs.base import Episode, Example, Reward, as_reward, make_episode, stop_token_ids
 from meshrl.envs.sandbox import SandboxLimits, call_in_subprocess
 
 __all__ = ["EnvEvent", "EpisodeDriver", "EpisodeResult", "Generate", "TurnRouter"]
@@ -186,7 +186,7 @@ class EpisodeDriver:
         self.tokenizer = tokenizer
         self.max_tokens, self.max_model_len = max_tokens, max_model_len
         self.timeout_s, self.score_memory_mb = timeout_s, score_memory_mb
-        self.stop_token_ids = (tokenizer.eos_token_id,)
+        self.stop_token_ids = stop_token_ids(tokenizer)  # eos, and a chat template's end of turn
         self.live: dict[Any, _Live] = {}
         self.workers = _Workers(num_workers, post, name)
 

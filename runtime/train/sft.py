@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.envs import make_env
+from meshrl.envs.base import decode_reply, stop_token_ids
 from meshrl.parallel import full_tensors, parallelize
 from meshrl.parallel.dims import build_meshes
 from meshrl.runtime import checkpoint as ckpt
@@ -153,10 +154,7 @@ class Evaluator:
         max_len = max(len(p) for p in prompts) + self.cfg.max_tokens + 1
         engine = NativeEngine(self.copy, max_num_seqs=len(prompts), max_model_len=max_len, device=self.device,
                               dtype=compute_dtype(self.cfg.model, self.device))
-        sampling = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, stop_token_ids=(tok.eos_token_id,))
+        sampling = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, stop_token_ids=stop_token_ids(tok))
         done = generate(engine, [Request(i, p, sampling) for i, p in enumerate(prompts)])
-        rewards = []
-        for ex, c in zip(self.examples, done):
-            ids = [t for t in c.token_ids if t != tok.eos_token_id]
-            rewards.append(float(self.env.score(ex, tok.decode(ids))))
+        rewards = [float(self.env.score(ex, decode_reply(tok, c.token_ids))) for ex, c in zip(self.examples, done)]
         return statistics.fmean(rewards)

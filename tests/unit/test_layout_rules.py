@@ -3,7 +3,7 @@
 Layers, lowest first (docs/architecture.md draws them). A module may import its own layer and
 the layers below it, never one above:
 
-    0  models/, parallel/, envs/        know nothing of the runtime
+    0  models/, parallel/, envs/, data/ know nothing of the runtime
     1  runtime base: config, rundir, transport, protocol, tokenizer, wandb_logger, launch,
        layout, policy, weight_sync, checkpoint
     2  runtime/engine/                  the inference engines
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"runtime": "meshrl.runtime", "models": "meshrl.models", "parallel": "meshrl.parallel",
-            "envs": "meshrl.envs"}
+            "envs": "meshrl.envs", "data": "meshrl.data"}
 PROGRAMS = {"rl", "sft", "eval", "bench", "cli", "plot", "config_docs"}
 ROOMS = {"engine": 2, "train": 3, "rollout": 4}
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 400
