@@ -15,7 +15,7 @@ USAGE = """usage: meshrl COMMAND @ config.toml [@ more.toml ...] [--dotted.key v
 
 commands:
   rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
-  sft    supervised fine-tuning on an environment's reference completions
+  sft    supervised fine-tuning on an environment's reference completions or your data ([data])
   eval   evaluate a checkpoint on environments: mean reward, pass@k, per-environment metrics as
          JSON on stdout; results.json and samples.jsonl in output_dir
   bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL),

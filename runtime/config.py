@@ -650,8 +650,54 @@ def check_colocation(cfg: "RLConfig") -> None:
                              '"auto"): a split-layout engine has its GPU to itself')
 
 
+class DataConfig(Base):
+    """SFT on your own data set (meshrl.data; docs/data.md): rows from a local file, rendered with the
+    model's chat template, packed into rows without cross-document attention."""
+
+    path: str
+    """A JSONL file, a parquet file, or a folder written by datasets' save_to_disk (no hub access)."""
+    split: str | None = None
+    """The split of a save_to_disk folder holding a DatasetDict (unset: "train")."""
+    format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
+    """Row format: messages (a chat: a list of {role, content}), prompt_completion (columns prompt and
+    completion: two strings, or two lists of messages), text (plain text, every token trained); auto:
+    the first of these whose columns the data has."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a path to a .jinja file, used instead of the model folder's."""
+    loss_on: Literal["assistant", "last_turn", "all"] = "assistant"
+    """Which tokens of a chat are trained: every assistant message (its end-of-turn token included), the
+    last assistant message only, or every token. Plain prompt_completion rows train the completion (all:
+    the prompt too); text rows train every token."""
+    shuffle: bool = True
+    """Visit the rows of every epoch in a new seeded order (else in file order)."""
+    seed: int = 0
+    """Seed of the epoch orders and of the validation split."""
+    epochs: int | None = Field(None, ge=1)
+    """Stop after this many passes over the training rows (or at max_steps, whichever comes first)."""
+    validation_path: str | None = None
+    """A separate file or folder of held-out rows (same format) for val/loss."""
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hold out this seeded share of the rows for val/loss instead of a validation_path."""
+    on_error: Literal["fail", "skip"] = "fail"
+    """A malformed row (not JSON, a missing or mistyped field, a chat without an assistant message, a
+    document longer than trainer.micro_batch_tokens): fail naming its file and line, or skip it and count
+    it (data/skipped_rows)."""
+
+    @model_validator(mode="after")
+    def _one_validation(self) -> "DataConfig":
+        if self.validation_path is not None and self.validation_fraction > 0:
+            raise ValueError("data: set data.validation_path or data.validation_fraction, not both")
+        return self
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether a validation split is configured."""
+        return self.validation_path is not None or self.validation_fraction > 0
+
+
 class SFTConfig(Base):
-    """Supervised warm-up on an environment's reference completions: `meshrl sft @ cfg.toml`."""
+    """Supervised warm-up on an environment's reference completions or on
+    your own data set ([data]): `meshrl sft @ cfg.toml`."""
 
     output_dir: str = "runs/sft"
     """Run directory: config.json, metrics.jsonl, checkpoints/, logs/."""
@@ -668,7 +714,9 @@ class SFTConfig(Base):
     model: ModelConfig
     """The model."""
     env: EnvConfig = ReverseTextEnvConfig()
-    """Where examples come from."""
+    """Where examples come from without [data] (its reference completions), and what eval/reward scores."""
+    data: DataConfig | None = None
+    """Train on your own data set instead of env (docs/data.md); eval_every then logs val/loss."""
     trainer: TrainerConfig = TrainerConfig()
     """Trainer settings (loss is ignored)."""
     num_ranks: int = Field(1, ge=1)
@@ -687,6 +735,9 @@ class SFTConfig(Base):
     @model_validator(mode="after")
     def _consistent(self) -> "SFTConfig":
         check_parallel(self.trainer.parallel, self.num_ranks)
+        if self.data is not None and self.eval_every and not self.data.has_validation:
+            raise ValueError("eval_every with [data] logs val/loss: set data.validation_path or "
+                             "data.validation_fraction")
         return self
 
     @property

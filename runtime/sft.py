@@ -1,9 +1,9 @@
 """The SFT rank program: `torchrun --nproc-per-node N -m meshrl.runtime.sft @ cfg.toml`.
 
 Every rank validates the config, starts the default group and runs the SFT loop
-(runtime/train/sft.py): supervised warm-up on an environment's reference completions, on the
-same trainer stack as RL, with no controller. From Python, `launch(SFTConfig(...))` starts the
-job under torchrun.
+(runtime/train/sft.py): supervised training on an environment's reference completions or on a
+data set (`[data]`, docs/data.md), on the same trainer stack as RL, with no controller. From
+Python, `launch(SFTConfig(...))` starts the job under torchrun.
 """
 
 from __future__ import annotations
@@ -20,15 +20,18 @@ from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import launch as launching
 from meshrl.runtime.config import SFTConfig
 from meshrl.runtime.layout import init_world, pick_device, use_cuda
-from meshrl.runtime.policy import check_model_source
+from meshrl.runtime.policy import check_model_source, load_tokenizer_for
 from meshrl.runtime.rundir import setup_logging
 from meshrl.runtime.train.sft import run_sft
+from meshrl.runtime.train.sft_data import check_data
 
 MODULE = "meshrl.runtime.sft"
 
 
 def preflight(cfg: SFTConfig) -> None:
     check_model_source(cfg.model, cfg.trainer.parallel.ep, cfg.trainer.parallel.cp)
+    if cfg.data is not None:  # the files, their columns and a chat template, before any process starts
+        check_data(cfg.data, load_tokenizer_for(cfg.model))
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "sft")

@@ -79,12 +79,15 @@ def pack(samples: Sequence[Sample], seq_len: int, num_ranks: int, pad_id: int = 
 
 
 def pack_sft(
-    examples: Sequence[tuple[list[int], list[int]]], seq_len: int, num_ranks: int, pad_id: int = 0
+    examples: Sequence[tuple[list[int], list[int]] | tuple[list[int], list[int], list[bool]]], seq_len: int,
+    num_ranks: int, pad_id: int = 0
 ) -> list[list[TensorDict]]:
-    """`pack` for supervised warm-up: (prompt_ids, completion_ids) pairs, advantage 1, logprobs 0."""
+    """`pack` for supervised training: (prompt_ids, completion_ids) pairs, or triples with a completion
+    mask (True: a trained token; a chat's user turns are False), advantage 1, logprobs 0."""
     samples = [
-        Sample(list(prompt), list(completion), [0.0] * len(completion), advantage=1.0)
-        for prompt, completion in examples
+        Sample(list(ex[0]), list(ex[1]), [0.0] * len(ex[1]), advantage=1.0,
+               completion_mask=list(ex[2]) if len(ex) > 2 else None)
+        for ex in examples
     ]
     return pack(samples, seq_len, num_ranks, pad_id=pad_id)
 

@@ -1,11 +1,12 @@
-"""The SFT loop: supervised warm-up on an environment's reference completions.
+"""The SFT loop: supervised training on an environment's reference completions or on a data set.
 
 It runs on the same trainer stack as RL (FSDP2 over all ranks, packed rows, the same Trainer).
 There is no controller: every rank derives the same packed batch from the dataset cursor
-(examples are a pure function of the index) and trains on its own data rank's share. With
-`eval_every`, rank 0 greedily decodes held-out prompts with the native engine and logs
-eval/reward, so the warm start's quality is known before RL begins. Checkpoints hold the
-trainer state and the cursor; the final weights are exported as an HF folder to
+(examples are a pure function of the cursor, runtime/train/sft_data.py) and trains on its own
+data rank's share. With `eval_every`, an environment run has rank 0 greedily decode held-out
+prompts with the native engine and log eval/reward, so the warm start's quality is known before
+RL begins; a `[data]` run logs val/loss, the mean loss over its validation split. Checkpoints hold
+the trainer state and the cursor; the final weights are exported as an HF folder to
 checkpoints/final.
 """
 
@@ -30,6 +31,7 @@ from meshrl.runtime.policy import build_policy, build_trainer_policy, compute_dt
 from meshrl.runtime.rundir import (MetricsWriter, ProgressLine, TrainingWatch, log, record_restart, restart_count,
                                    write_config)
 from meshrl.runtime.train.packing import count_loss_tokens, pack_sft
+from meshrl.runtime.train.sft_data import DataDocuments, EnvDocuments
 from meshrl.runtime.train.trainer import Trainer
 
 EVAL_OFFSET = 10**9  # held-out examples come from far past any training cursor
@@ -37,8 +39,8 @@ EVAL_OFFSET = 10**9  # held-out examples come from far past any training cursor
 
 def run_sft(cfg: SFTConfig, rank: int, world: int, device: torch.device, start: int | None = None,
             ckpt_group=None) -> None:
-    """Train cfg.max_steps steps on every rank of the default group. `start`: the checkpoint
-    step to resume from (None: fresh)."""
+    """Train cfg.max_steps steps (fewer when data.epochs ends the run first) on every rank of the
+    default group. `start`: the checkpoint step to resume from (None: fresh)."""
     SFTLoop(cfg, rank, world, device, start, ckpt_group).run()
 
 
@@ -52,6 +54,12 @@ class SFTLoop:
         self.leader = rank == 0
         self.tokenizer = load_tokenizer_for(cfg.model)
         self.env = make_env(cfg.env.name, **cfg.env.kwargs())
+        self.docs = (EnvDocuments(self.env, self.tokenizer) if cfg.data is None
+                     else DataDocuments(cfg.data, self.tokenizer, cfg.trainer.micro_batch_tokens))
+        self.num_steps = self.docs.num_steps(cfg.max_steps, cfg.batch_size)
+        if cfg.data is not None and self.docs.skipped and self.leader:
+            log.warning("%d malformed rows skipped (data.on_error = \"skip\"); the first: %s", len(self.docs.skipped),
+                        self.docs.skipped[0])
         self.dims = cfg.trainer.parallel.dims(world)
         meshes = build_meshes(self.dims, list(range(world)), rank, device.type)
         p, t, dtype = cfg.trainer.parallel, cfg.trainer, compute_dtype(cfg.model, device)
@@ -68,8 +76,10 @@ class SFTLoop:
             self.checkpointer.load(path, ckpt.read_manifest(path))
             self.cursor = ckpt.read_state(self.run_dir, start, ckpt.RUN_FILE)["cursor"]
         self.metrics = self._metrics() if self.leader else None
-        self.progress = ProgressLine(cfg.max_steps, self.leader, "sft")
-        self.evaluator = Evaluator(cfg, self.env, self.tokenizer, device) if cfg.eval_every else None
+        self.progress = ProgressLine(self.num_steps, self.leader, "sft")
+        self.evaluator = Evaluator(cfg, self.env, self.tokenizer, device) if cfg.eval_every and cfg.data is None else None
+        self.validation = (pack_sft(self.docs.validation, cfg.trainer.micro_batch_tokens, self.dims.num_data_ranks,
+                                    pad_id=self.tokenizer.pad_token_id or 0) if self.docs.validation else None)
         self.watch = TrainingWatch(cfg.checkpoint.every or 10)  # stops a run of only non-finite updates
 
     def _metrics(self) -> MetricsWriter:
@@ -85,19 +95,23 @@ class SFTLoop:
 
     def run(self) -> None:
         cfg = self.cfg
-        for step in range(self.start or 0, cfg.max_steps):
-            batches = self._batches()
+        for step in range(self.start or 0, self.num_steps):
+            count = self.docs.batch_size_at(self.cursor, cfg.batch_size)
+            batches = self._batches(count)
             stats = self.trainer.sft_step(batches[self.dims.data_rank(self.rank)], count_loss_tokens(batches))
             row = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                    "tokens/train": stats["train_tokens"], "time/train_s": stats["train_time_s"],
                    "tokens/train_per_s": stats["train_tokens"] / max(stats["train_time_s"], 1e-9),
                    **{k: v for k, v in stats.items() if k.startswith("moe/")}}
-            if self.evaluator is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps):
-                row["eval/reward"] = self.evaluator.run(self.model, self.leader)
+            self.cursor += count
+            if cfg.data is not None:
+                row["data/epoch"] = self.docs.epoch(self.cursor)
+                row.update(self.docs.summary() if step == (self.start or 0) else {})
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == self.num_steps):
+                self._evaluate(row)
             if self.leader:
                 self._log(step, row)
             self.watch.step(step, stats["grad_norm"])  # the same global norm on every rank: all stop together
-            self.cursor += cfg.batch_size
             self._maybe_checkpoint(step + 1)
         self.progress.close()
         self.checkpointer.close()
@@ -105,21 +119,22 @@ class SFTLoop:
             self.metrics.close()
         export_hf(self.model, self.args, self.tokenizer, self.run_dir / "checkpoints" / "final", self.leader)
 
-    def _batches(self) -> list:
-        """The packed micro-batches of every data rank for the examples at the cursor."""
-        tok, env = self.tokenizer, self.env
-        examples = []
-        for index in range(self.cursor, self.cursor + self.cfg.batch_size):
-            ex = env.example(index)
-            prompt = tok.encode(ex.prompt, add_special_tokens=False)
-            completion = tok.encode(env.sft_completion(ex), add_special_tokens=False) + [tok.eos_token_id]
-            examples.append((prompt, completion))
-        return pack_sft(examples, self.cfg.trainer.micro_batch_tokens, self.dims.num_data_ranks,
-                        pad_id=tok.pad_token_id or 0)
+    def _batches(self, count: int) -> list:
+        """The packed micro-batches of every data rank for the `count` examples at the cursor."""
+        return pack_sft(self.docs.examples(self.cursor, count), self.cfg.trainer.micro_batch_tokens,
+                        self.dims.num_data_ranks, pad_id=self.tokenizer.pad_token_id or 0)
+
+    def _evaluate(self, row: dict) -> None:
+        """eval/reward (an environment run) or val/loss (a [data] run) into `row` (collective)."""
+        if self.evaluator is not None:
+            row["eval/reward"] = self.evaluator.run(self.model, self.leader)
+        if self.validation is not None:
+            row["val/loss"] = self.trainer.eval_loss(self.validation[self.dims.data_rank(self.rank)])
 
     def _log(self, step: int, row: dict) -> None:
         self.metrics.write(row)
-        status = f"loss {row['loss']:.3f}" + (f"  eval/reward {row['eval/reward']:.3f}" if "eval/reward" in row else "")
+        status = f"loss {row['loss']:.3f}" + "".join(f"  {k} {row[k]:.3f}" for k in ("eval/reward", "val/loss")
+                                                      if k in row)
         self.progress.update(step + 1, status)
         log.info("step %d: %s", step, row)
 
@@ -127,9 +142,9 @@ class SFTLoop:
         """After step n - 1: a resumable checkpoint every checkpoint.every steps and at the end, an
         HF export every checkpoint.export_every steps."""
         c, root = self.cfg.checkpoint, ckpt.checkpoints_dir(self.run_dir)
-        if c.every and (n % c.every == 0 or n == self.cfg.max_steps):
+        if c.every and (n % c.every == 0 or n == self.num_steps):
             self.checkpointer.save_with(n, root, {ckpt.RUN_FILE: {"step": n, "cursor": self.cursor}})
-        if c.export_every and n % c.export_every == 0 and n < self.cfg.max_steps:
+        if c.export_every and n % c.export_every == 0 and n < self.num_steps:
             export_hf(self.model, self.args, self.tokenizer, root / f"hf_step_{n}", self.leader)
 
 

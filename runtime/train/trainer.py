@@ -205,6 +205,22 @@ class Trainer:
             **self._moe_stats(out),
         }
 
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[TensorDict]) -> float:
+        """Mean negative log-likelihood over the loss tokens of every rank's micro-batches (no update;
+        collective over the trainer group, like a step)."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            mb, logprobs, _ = self._forward(mb, temperature=1.0)
+            mask = mb["loss_mask"]
+            sums[0] += -torch.where(mask, logprobs, 0.0).sum().double()
+            sums[1] += mask.sum()
+        pop_moe_stats(self.model)  # an evaluation's routing is not the step's
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(sums, group=self.group)
+        return float(sums[0] / sums[1].clamp(min=1))
+
     def _with_aux(self, value: torch.Tensor, mask: torch.Tensor, num_loss_tokens: int,
                   stats: dict[str, torch.Tensor]) -> torch.Tensor:
         """Add the MoE aux loss of the last forward to `value` (when configured); record it in `stats`.
