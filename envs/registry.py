@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from .alphabet_sort import AlphabetSortEnv, AlphabetSortEnvConfig
 from .arithmetic import ArithmeticEnv, ArithmeticEnvConfig
 from .calculator import CalculatorEnv, CalculatorEnvConfig
+from .dataset import DatasetEnv, DatasetEnvConfig
 from .mix import MixedEnv, MixEnvConfig
 from .multiturn_sort import MultiTurnSortEnv, MultiTurnSortEnvConfig
 from .reverse_text import ReverseTextEnv, ReverseTextEnvConfig
@@ -46,6 +47,7 @@ REGISTRY: dict[str, tuple[type[BaseModel], Callable[..., Any]]] = {
     "wordle": (WordleEnvConfig, WordleEnv),
     "arithmetic": (ArithmeticEnvConfig, ArithmeticEnv),
     "calculator": (CalculatorEnvConfig, CalculatorEnv),
+    "dataset": (DatasetEnvConfig, DatasetEnv),  # your own file of prompts (meshrl.data reads it)
     "verifiers": (VerifiersEnvConfig, make_verifiers_env),  # imports verifiers only when built
     "mix": (MixEnvConfig, _make_mix),  # a mix of the others; never nested
 }

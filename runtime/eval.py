@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from meshrl.envs import make_env
+from meshrl.envs.dataset import check_dataset_envs
 from meshrl.runtime import launch as launching
 from meshrl.runtime.config import EvalConfig
 from meshrl.runtime.engine.build import build_native_engine
@@ -33,6 +34,7 @@ __all__ = ["launch", "preflight", "run_eval"]
 
 def preflight(cfg: EvalConfig) -> None:
     check_model_source(cfg.model)
+    check_dataset_envs(cfg.env, cfg.eval.env)
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.envs import make_env
+from meshrl.envs.dataset import check_dataset_envs
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import launch as launching
 from meshrl.runtime import memory
@@ -41,6 +42,7 @@ def preflight(cfg: RLConfig) -> None:
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "rl")
+        check_dataset_envs(cfg.env, cfg.eval.env)  # reads the files once; the controller reads them again
     cuda = use_cuda(cfg.dist.device)
     lay = cfg.layout
     colocated = resolve_colocation(lay.colocate, lay.num_trainer_ranks, lay.num_inference_ranks,
