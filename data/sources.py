@@ -97,24 +97,27 @@ def columns_of(path: str | Path, split: str | None = None) -> list[str]:
 
 
 def read_rows(path: str | Path, split: str | None = None, on_error: str = "fail",
-              setting: str = "data.on_error") -> Rows:
-    """Every row of the source at ``path`` (module docstring); ValueError when it has none left.
-    ``setting`` names the on_error setting in messages."""
+              setting: str = "data.on_error", convert: Callable[[dict[str, Any]], Any] | None = None) -> Rows:
+    """Every row of the source at ``path`` (module docstring), passed through ``convert`` (a caller's
+    check or transformation; its RowError marks the row malformed) in file order, so the first
+    malformed row is the one named. ValueError when no row is left. ``setting`` names the
+    on_error setting in messages."""
     kind = source_kind(path)
+    out = Rows([], [])
+    convert = convert or (lambda row: row)
     if kind == "jsonl":
-        out = Rows([], [])
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
                 if line.strip():
-                    check_row(out, f"{path}:{number}", on_error, lambda: _parse_line(line, ""), setting)
-    elif kind == "parquet":
-        pq = _require("pyarrow.parquet", f"{path} (parquet)")
-        rows = pq.read_table(str(path)).to_pylist()
-        out = Rows(rows, [f"{path} row {i}" for i in range(len(rows))])
+                    check_row(out, f"{path}:{number}", on_error, lambda: convert(_parse_line(line, "")), setting)
     else:
-        ds = _load_disk(path, split)
-        rows = ds.to_list()
-        out = Rows(rows, [f"{path} row {i}" for i in range(len(rows))])
+        if kind == "parquet":
+            pq = _require("pyarrow.parquet", f"{path} (parquet)")
+            rows = pq.read_table(str(path)).to_pylist()
+        else:
+            rows = _load_disk(path, split).to_list()
+        for i, row in enumerate(rows):
+            check_row(out, f"{path} row {i}", on_error, lambda: convert(row), setting)
     if not out.rows:
         raise ValueError(f"{path}: no usable rows" + (f" ({len(out.skipped)} skipped; the first: "
                                                       f"{out.skipped[0]})" if out.skipped else ""))

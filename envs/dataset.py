@@ -35,7 +35,7 @@ from pydantic import field_validator
 
 from meshrl.data.formats import chat_prompt, check_messages, read_template
 from meshrl.data.order import EpochOrder
-from meshrl.data.sources import RowError, Rows, check_row, columns_of, read_rows
+from meshrl.data.sources import RowError, columns_of, read_rows
 
 from .base import Example, Reward, SingleTurnEpisode, as_reward
 from .config import EnvConfigBase
@@ -102,12 +102,7 @@ class DatasetEnv:
         missing = [c for c in needed if c not in columns]
         if missing:
             raise ValueError(f"env.path: {path} has no column(s) {', '.join(missing)}; it has columns {columns}")
-        rows = read_rows(path, split, on_error, "env.on_error")
-        self.rows = Rows([], [], list(rows.skipped))
-        for row, where in zip(rows.rows, rows.where):
-            check_row(self.rows, where, on_error, lambda: self._check(row), "env.on_error")
-        if not self.rows.rows:
-            raise ValueError(f"env.path: every row of {path} was skipped; the first: {self.rows.skipped[0]}")
+        self.rows = read_rows(path, split, on_error, "env.on_error", convert=self._check)
         self.order = EpochOrder(len(self.rows.rows), seed, shuffle)
 
     def _check(self, row: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from meshrl.data import Document, EpochOrder, Formatter, columns_of, read_rows, resolve_format, split_validation
 from meshrl.data.formats import read_template
-from meshrl.data.sources import RowError, Rows, check_row
+from meshrl.data.sources import RowError, Rows
 from meshrl.runtime.config import DataConfig
 
 __all__ = ["DataDocuments", "EnvDocuments", "check_data"]
@@ -54,8 +54,6 @@ class EnvDocuments:
 
 def _documents(path: str, cfg: DataConfig, formatter: Formatter, max_tokens: int) -> Rows:
     """The Documents of the rows at ``path``; malformed ones fail or are skipped per cfg.on_error."""
-    rows = read_rows(path, cfg.split, cfg.on_error)
-    out = Rows([], [], list(rows.skipped))
 
     def document(row: dict) -> Document:
         doc = formatter(row)
@@ -66,11 +64,7 @@ def _documents(path: str, cfg: DataConfig, formatter: Formatter, max_tokens: int
             raise RowError("no token to train on")
         return doc
 
-    for row, where in zip(rows.rows, rows.where):
-        check_row(out, where, cfg.on_error, lambda: document(row))
-    if not out.rows:
-        raise ValueError(f"{path}: every row was skipped; the first: {out.skipped[0]}")
-    return out
+    return read_rows(path, cfg.split, cfg.on_error, convert=document)
 
 
 def _format(cfg: DataConfig, path: str) -> str:
