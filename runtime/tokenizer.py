@@ -113,5 +113,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         for token in tokenizer.convert_ids_to_tokens([i for i in ids if i != tokenizer.eos_token_id]):
             if token not in stop:
                 stop.append(token)
-        tokenizer.init_kwargs["stop_tokens"] = stop
+        if stop:
+            tokenizer.init_kwargs["stop_tokens"] = stop
     return tokenizer

@@ -103,4 +103,5 @@ def test_sft_on_a_chat_file_resumes_exactly_then_rl_and_eval_on_a_prompt_file(fi
            "--eval.example-offset", "0", "--inference.sampling.max-tokens", "8", "--inference.max-model-len", "64",
            "--output-dir", str(out))
     summary = json.loads((out / "results.json").read_text())
-    assert summary["env"] == "dataset" and 0.0 <= summary["reward/mean"] <= 1.0
+    assert summary["env"] == "dataset" and summary["num_examples"] == 8 and summary["failed"] == 0
+    assert 0.0 <= summary["env/dataset/correct"] <= 1.0 and "env/dataset/parsed" in summary
