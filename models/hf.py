@@ -26,10 +26,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from meshrl.models import family_of_args
+from meshrl.models.common.lora import is_lora_param
 from meshrl.models.generic_hf import GENERIC_FAMILY, GenericArgs, Impl, family_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+PEFT_DIR = "adapter"  # a LoRA policy's PEFT adapter folder inside an export
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Everything a tokenizer folder may hold that AutoTokenizer reads.
@@ -139,7 +141,8 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any) -> 
     """Copy an HF folder's weights into `model` (plain, FSDP2-sharded or expert-parallel), one
     tensor at a time; each rank copies only its own shard. Checkpoint tensors are cast on copy.
 
-    Missing, unexpected or mis-shaped weights raise ValueError naming the key.
+    Missing, unexpected or mis-shaped weights raise ValueError naming the key; LoRA adapters
+    (`lora_a`, `lora_b`: models/common/lora.py) are not in a base folder and stay as they are.
     """
     folder = Path(path)
     # state_dict() tensors share storage with the parameters: copying into them loads the model.
@@ -157,7 +160,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any) -> 
                                          f"the model expects {tuple(targets[key].shape)}")
                     dest.copy_(src)
                     loaded.add(key)
-    missing = sorted(targets.keys() - loaded)
+    missing = sorted(k for k in targets.keys() - loaded if not is_lora_param(k))  # adapters: init_lora
     if missing:
         raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing}")
 
@@ -230,6 +233,12 @@ def _write_folder(
                 shutil.copy2(tokenizer_dir / name, folder / name)
 
 
+def state_dict_adapter(args: Any):
+    """The state-dict adapter (our keys <-> HF's) of the family `args` belongs to."""
+    family = GENERIC_FAMILY if isinstance(args, GenericArgs) else family_of_args(args)
+    return family.state_dict_adapter(args)
+
+
 def save_hf_model(
     model_or_state_dict: nn.Module | dict[str, Tensor],
     args: Any,
@@ -240,6 +249,7 @@ def save_hf_model(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     max_shard_gb: float = 5.0,
+    peft_adapter: tuple[dict[str, Tensor], dict[str, Any]] | None = None,
 ) -> None:
     """Write an HF model folder: config.json, model.safetensors, generation_config.json, tokenizer.
 
@@ -251,10 +261,12 @@ def save_hf_model(
     config records the saved dtype. A tied LM head is stored once (as the embedding).
     Tokenizer files found in `tokenizer_dir` are copied alongside. An existing folder at `path`
     is replaced only once the new one is complete.
+
+    `peft_adapter` (state, adapter_config dict: `lora.peft_adapter`) is written as a PEFT LoRA
+    folder `adapter/` inside (adapter_config.json + adapter_model.safetensors), before the rename.
     """
-    family = GENERIC_FAMILY if isinstance(args, GenericArgs) else family_of_args(args)
     state_dict = _cpu_state_dict(model_or_state_dict, dtype)
-    hf_state_dict = family.state_dict_adapter(args).to_hf(state_dict)
+    hf_state_dict = state_dict_adapter(args).to_hf(state_dict)
     float_dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     if len(float_dtypes) > 1:
         raise ValueError(f"state dict mixes dtypes {sorted(map(str, float_dtypes))}; pass dtype= to save one")
@@ -274,6 +286,13 @@ def save_hf_model(
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from an earlier crash
     _write_folder(tmp, hf_state_dict, config, generation_config, tok_dir, int(max_shard_gb * 1e9))
+    if peft_adapter is not None:
+        state, adapter_config = peft_adapter
+        (tmp / PEFT_DIR).mkdir()
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+                  str(tmp / PEFT_DIR / "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(tmp / PEFT_DIR / "adapter_config.json", "w") as f:
+            json.dump(adapter_config, f, indent=2)
     if folder.exists():
         # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first.
         old = folder.with_name(folder.name + ".old")

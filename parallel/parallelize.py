@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from meshrl.models.common.lora import LoRALinear, merge_weight
 from meshrl.parallel.dims import TrainerMeshes
 
 
@@ -175,6 +176,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, expe
 def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full parameter) in `named_parameters` order; a collective on the trainer mesh.
 
+    A LoRA linear yields its merged weight under the base weight's name and no adapter tensors
+    (models/common/lora.py): the names and shapes are those of `lora.policy_parameters`, the model
+    the engines and an HF export hold.
+
     Every trainer rank must iterate to the end (each DTensor's all-gather involves them all).
     Expert shards split by expert parallelism are gathered over the ep group as well. A DTensor
     on a one-rank mesh holds all of itself: its local tensor is yielded without a collective or a
@@ -187,6 +192,9 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[int] = set()
     for prefix, module in model.named_modules():  # the order named_parameters() walks
         ep_group = getattr(module, "ep_group", None)
+        if isinstance(module, LoRALinear):
+            yield from _merged(prefix, module, one_rank)
+            continue
         for pname, param in module._parameters.items():  # noqa: SLF001 - what named_parameters reads
             if param is None or id(param) in seen:
                 continue
@@ -194,6 +202,22 @@ def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             t = _full(param, one_rank)
             yield (f"{prefix}.{pname}" if prefix else pname), (t if ep_group is None else
                                                                 gather_expert_shards(t, group=ep_group))
+
+
+def _merged(prefix: str, module: LoRALinear, one_rank: dict[int, bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA linear as the policy sees it: the merged weight (models/common/lora.py), its bias."""
+    full = {name: _full(p, one_rank) for name, p in module._parameters.items() if p is not None}  # noqa: SLF001
+    yield f"{prefix}.weight", merge_weight(full["weight"], full["lora_a"], full["lora_b"], module.lora_scale)
+    if "bias" in full:
+        yield f"{prefix}.bias", full["bias"]
+
+
+def full_adapters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module path: (full lora_a, full lora_b)} of every LoRA linear, detached; a collective on
+    the trainer mesh like `full_tensors` (every trainer rank calls it)."""
+    one_rank: dict[int, bool] = {}
+    return {path: (_full(m.lora_a, one_rank), _full(m.lora_b, one_rank))
+            for path, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def _full(param: torch.Tensor, one_rank: dict[int, bool]) -> torch.Tensor:

@@ -63,8 +63,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrl.envs.base import stop_token_ids
-from meshrl.models.hf import save_hf_model
-from meshrl.parallel import full_tensors
+from meshrl.models.common.lora import has_lora, is_lora_param, peft_adapter
+from meshrl.models.hf import save_hf_model, state_dict_adapter
+from meshrl.parallel import full_adapters, full_tensors
 from meshrl.runtime.rundir import check_run_dir_free, log, restart_count
 from meshrl.runtime.tokenizer import save_tokenizer
 
@@ -82,19 +83,27 @@ RUN_FILE = "run.json"
 # ----------------------------------------------------------------------------- HF export
 
 
-def export_hf(model: nn.Module, args, tokenizer, path: Path, leader: bool) -> Path:
+def export_hf(model: nn.Module, args, tokenizer, path: Path, leader: bool, base_model: str | None = None) -> Path:
     """Write the full fp32 policy to `path` as an HF folder (leader only; all trainer ranks call).
 
     `full_tensors` gathers each parameter (a collective over the trainer ranks); the folder
-    appears atomically (written beside, renamed).
+    appears atomically (written beside, renamed). A LoRA policy is written merged, and its
+    adapters as a PEFT folder `path/adapter/` too (for the base model `base_model`, the run's
+    model.path: docs/lora.md).
     """
     state = {name: t.detach().to("cpu", torch.float32) for name, t in full_tensors(model)}
+    peft = None
+    if has_lora(model):
+        adapters = {p: (a.to("cpu", torch.float32), b.to("cpu", torch.float32))
+                    for p, (a, b) in full_adapters(model).items()}
+        peft = peft_adapter(model, state_dict_adapter(args), adapters, base_model)
     if leader:
         with tempfile.TemporaryDirectory() as tok_dir:
             save_tokenizer(tokenizer, tok_dir)
             stop = list(stop_token_ids(tokenizer))  # generation_config.json lists every stop id
             save_hf_model(state, args, path, tokenizer_dir=tok_dir, bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=stop[0] if len(stop) == 1 else stop, pad_token_id=tokenizer.pad_token_id)
+                          eos_token_id=stop[0] if len(stop) == 1 else stop, pad_token_id=tokenizer.pad_token_id,
+                          peft_adapter=peft)
         log.info("saved the policy to %s", path)
     return path
 
@@ -669,12 +678,16 @@ def trainer_state(trainer, meshes=None) -> tuple[dict[str, Any], dict[str, Any],
     """(what DCP saves/loads, model state dict, optimizer state dict) of a Trainer.
 
     The DCP view holds tensors only: the model's parameters and the optimizer's per-parameter
-    state, by parameter name; AdamW's param_groups (lr, betas, ...) come from the config.
+    state, by parameter name; AdamW's param_groups (lr, betas, ...) come from the config. A LoRA
+    model's view holds its adapters only (and their AdamW state): the frozen base weights are
+    the ones the run builds from model.path or the seed before it loads the checkpoint.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model = trainer.model
     msd = get_model_state_dict(model)
+    if has_lora(model):  # the frozen base is rebuilt from model.path / the seed: only adapters change
+        msd = {k: v for k, v in msd.items() if is_lora_param(k)}
     osd = get_optimizer_state_dict(model, trainer.optimizer)
     experts = [name for name in msd if _is_expert(model, name)]
     layout = _ExpertLayout(meshes) if experts and meshes is not None and meshes.ep is not None else None
@@ -793,7 +806,8 @@ class TrainerCheckpointer:
         not a tensor (DCP would unpickle it), an entry with no matching parameter or optimizer state,
         or a storage file the manifest does not list (so every byte read was verified)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
         start = time.perf_counter()
         check_shapes(self.trainer.model, manifest)
@@ -803,7 +817,8 @@ class TrainerCheckpointer:
         read_dcp_metadata(path, manifest, expected, f"checkpoint {path.name}: {TRAINER_DIR}/.metadata")
         reader = _safe_reader(path / TRAINER_DIR, expected, _trainer_files(manifest), f"checkpoint {path.name}")
         dcp.load(state, storage_reader=reader, planner=_tensors_only_planner(), process_group=self.group)
-        set_model_state_dict(self.trainer.model, msd)
+        strict = not has_lora(self.trainer.model)  # a LoRA view holds the adapters only
+        set_model_state_dict(self.trainer.model, msd, options=StateDictOptions(strict=strict))
         set_optimizer_state_dict(self.trainer.model, self.trainer.optimizer, osd)
         self.trainer.load_state_dict(json.loads((path / TRAINER_FILE).read_text()))
         log.info("loaded the trainer state of %s (written by %d trainer ranks, %s) in %.2fs", path,

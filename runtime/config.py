@@ -31,6 +31,29 @@ from meshrl.envs.reverse_text import ReverseTextEnvConfig
 # ----------------------------------------------------------------------------- model
 
 
+class LoRAConfig(Base):
+    """LoRA adapters on the policy's linear layers: the base weights are frozen and only the adapters
+    train (docs/lora.md). The engines receive merged weights; exports add a PEFT adapter folder."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of every adapter (A is r x in, B is out x r)."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: the update is (B @ A) * alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only; the merged weights the engines get have none)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Linear modules to adapt, by HF name (q_proj, ..., down_proj) or ours (wq, ..., w2); each must
+    name at least one linear module of the model."""
+
+    @model_validator(mode="after")
+    def _targets(self) -> "LoRAConfig":
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules: name at least one module (e.g. [\"q_proj\", \"v_proj\"])")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules: {self.target_modules} names a module twice")
+        return self
+
+
 class ModelConfig(Base):
     """Which policy to train: an HF folder, or a flavor built from scratch."""
 
@@ -50,6 +73,8 @@ class ModelConfig(Base):
     """Implementation of a `path` model: auto = our native family when its model_type has one, else
     the generic transformers wrapper (models/generic_hf.py); native = ours or an error; hf = the
     wrapper always. Fresh `flavor` models are always native."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of every weight (`[model.lora]`; None: full fine-tuning)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from meshrl.models import get_family
+from meshrl.models.common.lora import add_lora, init_lora, resolve_targets
 from meshrl.models.generic_hf import check_expert_parallel, check_generic_config, resolve_impl
 from meshrl.models.hf import build_hf_skeleton, load_hf_model, load_hf_weights, read_hf_config
 from meshrl.runtime.config import ModelConfig
@@ -27,8 +28,9 @@ def check_model_source(cfg: ModelConfig, ep: int = 1, cp: int = 1) -> None:
     """Fail early (before any process group) when the model folder is missing or incomplete, its
     model_type cannot be served by the chosen implementation (`cfg.impl`; a config the native
     family refuses is an error for "native" and falls back to the generic path for "auto"),
-    expert parallelism `ep` (trainer.parallel.ep) asks for experts the implementation lacks, or
-    context parallelism `cp` for a native family whose plan refuses it (`no_cp`: linear attention)."""
+    expert parallelism `ep` (trainer.parallel.ep) asks for experts the implementation lacks,
+    context parallelism `cp` for a native family whose plan refuses it (`no_cp`: linear attention),
+    or `cfg.lora` targets a module the model does not have."""
     if cfg.path is not None:
         folder = Path(cfg.path)
         if not folder.is_dir():
@@ -50,6 +52,9 @@ def check_model_source(cfg: ModelConfig, ep: int = 1, cp: int = 1) -> None:
             raise ValueError(f"model.flavor: unknown flavor {cfg.flavor!r} of {cfg.family} (known: {sorted(family.flavors)})")
         check_expert_parallel(cfg.family, "native", ep)
         _check_context_parallel(cfg.family, cp)
+    if cfg.lora is not None:  # every target must name a linear module of this model
+        model, adapter, _, _ = policy_skeleton(cfg)
+        resolve_targets(model, adapter, cfg.lora.target_modules)
 
 
 def _check_context_parallel(model_type: str, cp: int) -> None:
@@ -107,12 +112,29 @@ def build_trainer_policy(cfg: ModelConfig, device: torch.device, shard: Callable
     model. A fresh flavor is initialised in full on every rank first (seeded, so every rank
     and the inference engines agree) and then sharded: flavors are for tests and demos.
     Parameters stay fp32 (FSDP2 computes in the compute dtype).
+
+    With `cfg.lora`, adapters are added before `shard` (the base weights frozen) and initialised
+    after it, the same on every rank (models/common/lora.py).
     """
     if cfg.path is None:
         model, args = build_policy(cfg, device, torch.float32, tokenizer=tokenizer)
-        return shard(model), args
-    model, args, adapter = build_hf_skeleton(cfg.path, cfg.impl, torch.float32)
-    model = shard(model)
-    model.to_empty(device=device)
-    load_hf_weights(model, cfg.path, adapter)
+        apply_lora(model, cfg, get_family(cfg.family).state_dict_adapter(args))
+        model = shard(model)
+    else:
+        model, args, adapter = build_hf_skeleton(cfg.path, cfg.impl, torch.float32)
+        apply_lora(model, cfg, adapter)
+        model = shard(model)
+        model.to_empty(device=device)
+        load_hf_weights(model, cfg.path, adapter)  # the base weights; a base folder has no adapters
+    if cfg.lora is not None:
+        init_lora(model, cfg.init_seed)
     return model, args
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, adapter) -> dict[str, str]:
+    """Add `cfg.lora`'s adapters to `model` and freeze the rest (models/common/lora.py); returns
+    {our module path: HF name} of the adapted modules ({} without LoRA)."""
+    if cfg.lora is None:
+        return {}
+    lo = cfg.lora
+    return add_lora(model, adapter, lo.rank, lo.alpha, lo.dropout, lo.target_modules)

@@ -10,6 +10,10 @@ between two decode steps, so requests in flight keep their KV cache and go on.
 Both sides derive the same bucket plan from the parameter names and shapes of the same
 model definition, so nothing but the flat buffers crosses the wire.
 
+LoRA (models/common/lora.py): the trainer sends merged weights W + (B @ A) * alpha / r under the
+base weights' names (`full_tensors` merges after the gather, on every trainer rank alike), so the
+engines hold a plain model of the base architecture and both layouts work unchanged.
+
 Tensor-parallel inference ranks (parallel/tensor_parallel.py) receive the same full buckets and
 copy only their slice of each sharded parameter: the plan is made of full shapes on both sides
 (`tensor_parallel.full_shape`), and `tensor_parallel.local_slice` picks the rank's rows or
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrl.models.common.lora import policy_parameters
 from meshrl.parallel import full_tensors
 from meshrl.parallel.tensor_parallel import full_shape, local_slice
 from meshrl.runtime import protocol, transport
@@ -75,8 +80,9 @@ def bucket_plan(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, bucket
 
 def _shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     # full shapes, so the trainer's sharded (FSDP / expert-parallel) model and a tensor-parallel
-    # engine's model give the same plan
-    return [(name, full_shape(model, name, p)) for name, p in model.named_parameters()]
+    # engine's model give the same plan; a LoRA trainer's adapters are merged into the base
+    # weights by `full_tensors` and take no place of their own (models/common/lora.py)
+    return [(name, full_shape(model, name, p)) for name, p in policy_parameters(model)]
 
 
 @torch.no_grad()

@@ -116,14 +116,15 @@ class TrainerRank:
         if path is not None:
             self.checkpointer.save(step, Path(path))
         if export is not None:
-            export_hf(self.model, self.args, self.tokenizer, Path(export), self.leader)
+            export_hf(self.model, self.args, self.tokenizer, Path(export), self.leader, self.cfg.model.path)
 
     def _stop(self) -> None:
         self.beat.set("final checkpoint and export")
         self.checkpointer.close()
         if self.colocated is not None:
             self.colocated.close()
-        export_hf(self.model, self.args, self.tokenizer, Path(self.cfg.output_dir) / "checkpoints" / "final", self.leader)
+        export_hf(self.model, self.args, self.tokenizer, Path(self.cfg.output_dir) / "checkpoints" / "final",
+                  self.leader, self.cfg.model.path)
         if self.leader:
             transport.send(protocol.done(), self.controller, self.up)
         self.beat.close()

@@ -117,7 +117,8 @@ class SFTLoop:
         self.checkpointer.close()
         if self.metrics is not None:
             self.metrics.close()
-        export_hf(self.model, self.args, self.tokenizer, self.run_dir / "checkpoints" / "final", self.leader)
+        export_hf(self.model, self.args, self.tokenizer, self.run_dir / "checkpoints" / "final", self.leader,
+                  self.cfg.model.path)
 
     def _batches(self, count: int) -> list:
         """The packed micro-batches of every data rank for the `count` examples at the cursor."""
@@ -145,7 +146,7 @@ class SFTLoop:
         if c.every and (n % c.every == 0 or n == self.num_steps):
             self.checkpointer.save_with(n, root, {ckpt.RUN_FILE: {"step": n, "cursor": self.cursor}})
         if c.export_every and n % c.export_every == 0 and n < self.num_steps:
-            export_hf(self.model, self.args, self.tokenizer, root / f"hf_step_{n}", self.leader)
+            export_hf(self.model, self.args, self.tokenizer, root / f"hf_step_{n}", self.leader, self.cfg.model.path)
 
 
 class Evaluator:

@@ -90,7 +90,9 @@ class Trainer:
         self.attention = resolve_attention(attention, device, compute_dtype)
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.moe_aux_loss_coef = moe_aux_loss_coef
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        # only what trains: with LoRA the adapters (the base weights are frozen, models/common/lora.py)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
