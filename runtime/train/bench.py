@@ -2,6 +2,7 @@
 
     meshrl bench trainer --flavor 0.6B --seq-len 16384 --steps 10 [--nproc 2 --dp-shard 2 --cp 1 --ep 1]
                          [--ac none|full|selective] [--compile] [--attention auto|sdpa|flex|varlen]
+                         [--lora-rank 16 --lora-alpha 32 --lora-targets q_proj,k_proj,...]
 
 Random weights (built on the meta device, sharded, then initialised shard by shard, so no rank
 ever holds the full model) and random tokens. Every step each data rank trains
@@ -23,6 +24,11 @@ FLOPs per step (model FLOPs: recomputation by activation checkpointing is not co
 - pairs: (query, key) pairs attention computes, causal within each document:
   sum over documents of L * (L + 1) / 2. QK^T and PV cost 2 * head_dim FLOPs each per pair and
   head in the forward, x3 for training.
+
+With `--lora-rank R` (docs/lora.md) the base is frozen and only the adapters train: the frozen
+matmuls cost 4 (forward + input gradients) instead of 6 per parameter and token, the adapters 6,
+so FLOPs = 4 * N_active * tokens + 6 * N_adapter * tokens + attention; `trainable_params` counts
+N_adapter.
 
 MFU = FLOPs / step_s / (world size x peak), peak = 989 TFLOP/s dense bf16 for H100/H200
 (`--peak-tflops` for other devices; on CPU mfu is null).
@@ -69,6 +75,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default by name)")
     p.add_argument("--vocab-size", type=int, default=None, help="override the flavor's vocabulary")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank; 0 trains every weight (full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale alpha / rank)")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="comma-separated LoRA target modules (HF or our names)")
     p.add_argument("--profile", action="store_true",
                    help="after the measured steps, profile one more step and print the top kernels (rank 0)")
     return p.parse_args(argv)
@@ -95,8 +105,10 @@ def attention_pairs(seq_len: int, docs: int) -> int:
     return sum(n * (n + 1) // 2 for n in lengths)
 
 
-def step_flops(args, n_active: int, tokens: int, pairs: int) -> float:
-    return 6.0 * n_active * tokens + 12.0 * args.n_layers * args.n_heads * args.head_dim * pairs
+def step_flops(args, n_active: int, tokens: int, pairs: int, n_adapter: int | None = None) -> float:
+    """Model FLOPs of one step (module docstring); `n_adapter`: LoRA's adapter parameters (None: full)."""
+    matmul = 6.0 * n_active if n_adapter is None else 4.0 * n_active + 6.0 * n_adapter
+    return matmul * tokens + 12.0 * args.n_layers * args.n_heads * args.head_dim * pairs
 
 
 def peak_flops(opts: argparse.Namespace, device: torch.device) -> float | None:
@@ -156,7 +168,10 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
     peak_gib = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
     dist.all_reduce(peak_gib, op=dist.ReduceOp.MAX)
     step_s = statistics.median(times)
-    flops = step_flops(args, n_active, tokens, opts.rows * dims.num_data_ranks * attention_pairs(opts.seq_len, opts.docs))
+    # a DTensor's numel is its global one: the adapters' parameter count over all ranks
+    n_adapter = sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"]) if opts.lora_rank else None
+    flops = step_flops(args, n_active, tokens, opts.rows * dims.num_data_ranks * attention_pairs(opts.seq_len, opts.docs),
+                       n_adapter)
     peak = peak_flops(opts, device)
     result = {
         "bench": "trainer", "family": opts.family, "flavor": opts.flavor, "world_size": world,
@@ -166,6 +181,7 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
         "attention": "sdpa-causal" if opts.docs == 1 and dims.cp == 1 else trainer.attention,
         "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "lora_rank": opts.lora_rank, "trainable_params": n_adapter,
         "active_params": n_active, "tokens_per_step": tokens,
         "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
         "tflops_per_device": round(flops / step_s / world / 1e12, 2),
@@ -198,11 +214,20 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
     with torch.device("meta"):
         model = family.model_cls(args)
     n_active = active_matmul_params(model)
+    if opts.lora_rank:
+        from meshrl.models.common.lora import add_lora
+
+        add_lora(model, family.state_dict_adapter(args), opts.lora_rank, opts.lora_alpha, 0.0,
+                 opts.lora_targets.split(","))
     dtype = torch.bfloat16 if cuda else torch.float32
     parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()  # each rank initialises its own shards; random weights are all we need
+    if opts.lora_rank:
+        from meshrl.models.common.lora import init_lora
+
+        init_lora(model, seed=0)
     trainer = Trainer(model, OptimConfig(lr=1e-5), device, dist.group.WORLD, meshes, opts.attention,
                       opts.chunk_tokens, compute_dtype=dtype)
     return trainer, args, n_active, dims, dtype
