@@ -9,11 +9,13 @@ set -u
 OUT=${OUT:-/tmp/out}
 SEQ=${SEQ:-8192}
 STEPS=${STEPS:-5}
+WARMUP=${WARMUP:-2}
+LIMIT=${LIMIT:-150}  # seconds a setting may take
 mkdir -p "$OUT"
 run() {  # name, then bench flags
   local name=$1; shift
   local start=$(date +%s)
-  if python3 -m meshrl.runtime.train.bench --seq-len "$SEQ" --steps "$STEPS" --warmup 2 "$@" \
+  if timeout "$LIMIT" python3 -m meshrl.runtime.train.bench --seq-len "$SEQ" --steps "$STEPS" --warmup "$WARMUP" "$@" \
        > "$OUT/$name.json" 2> "$OUT/$name.log"; then
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['name']=sys.argv[2]; r['wall_s']=int(sys.argv[3]); print(json.dumps(r))" \
       "$OUT/$name.json" "$name" "$(( $(date +%s) - start ))" >> "$OUT/lora.jsonl"
@@ -21,14 +23,14 @@ run() {  # name, then bench flags
     python3 - "$OUT/$name.log" "$name" "$*" >> "$OUT/lora.jsonl" <<'PY'
 import json, sys
 lines = [l for l in open(sys.argv[1]).read().splitlines() if l.strip()]
-err = next((l for l in reversed(lines) if "OutOfMemory" in l or "out of memory" in l), lines[-1] if lines else "")
+err = next((l for l in reversed(lines) if "OutOfMemory" in l or "out of memory" in l), lines[-1] if lines else "timed out")
 print(json.dumps({"name": sys.argv[2], "flags": sys.argv[3], "error": err[-600:]}))
 PY
   fi
   tail -n 1 "$OUT/lora.jsonl"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
-run 1.7B-full --flavor 1.7B
-run 1.7B-lora16 --flavor 1.7B --lora-rank 16 --lora-alpha 32
 run 8B-lora16 --flavor 8B --ac full --lora-rank 16 --lora-alpha 32
 run 8B-full --flavor 8B --ac full
+run 1.7B-lora16 --flavor 1.7B --lora-rank 16 --lora-alpha 32
+run 1.7B-full --flavor 1.7B

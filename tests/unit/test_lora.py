@@ -4,6 +4,7 @@ with adapters, the PEFT folder round trip through `peft` on the transformers mod
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -174,3 +175,49 @@ def test_peft_round_trip_loads_our_adapter_on_the_transformers_model(tmp_path, t
     assert (peft_logits - _hf_logits(tmp_path / "base", ids)).abs().max() > 1e-3  # the adapter matters
     adapters = full_adapters(model)
     assert set(adapters) == {p for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_compiled_lora_blocks_match_eager():
+    """torch.compile of every block (FSDP2 over a world of one, selective checkpointing) with LoRA:
+    no graph break, the same logprobs and adapter gradients as eager."""
+    import os
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from meshrl.parallel import parallelize
+    from meshrl.parallel.dims import ParallelDims, build_meshes
+    from meshrl.runtime.train.logprob_head import LogprobHead
+    from tests.dist.multirank import free_port
+
+    def run(compile: bool):
+        model = lora_model()
+        meshes = build_meshes(ParallelDims.resolve(1), [0], 0, "cpu")
+        parallelize(model, meshes, torch.float32, ac="selective", compile=compile)
+        ids, positions, attn = inputs()
+        out = []
+        for _ in range(2):  # the second call reuses the compiled graphs
+            lp, _ = model(ids, positions, attn, head=LogprobHead(torch.roll(ids, -1, 1), 0.7))
+            lp.sum().backward()
+            out.append(lp.detach())
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        return out, grads
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    try:
+        counters.clear()
+        eager, eager_grads = run(compile=False)
+        compiled, compiled_grads = run(compile=True)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"].get("fxgraph_cache_hit", 0) > 0
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert eager_grads.keys() == compiled_grads.keys() and eager_grads
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()
