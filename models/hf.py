@@ -233,6 +233,15 @@ def _write_folder(
                 shutil.copy2(tokenizer_dir / name, folder / name)
 
 
+def _write_peft(folder: Path, state: dict[str, Tensor], adapter_config: dict[str, Any]) -> None:
+    """A PEFT LoRA folder: adapter_model.safetensors + adapter_config.json."""
+    folder.mkdir()
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+              str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(folder / "adapter_config.json", "w") as f:
+        json.dump(adapter_config, f, indent=2)
+
+
 def state_dict_adapter(args: Any):
     """The state-dict adapter (our keys <-> HF's) of the family `args` belongs to."""
     family = GENERIC_FAMILY if isinstance(args, GenericArgs) else family_of_args(args)
@@ -287,12 +296,7 @@ def save_hf_model(
         shutil.rmtree(tmp)  # left over from an earlier crash
     _write_folder(tmp, hf_state_dict, config, generation_config, tok_dir, int(max_shard_gb * 1e9))
     if peft_adapter is not None:
-        state, adapter_config = peft_adapter
-        (tmp / PEFT_DIR).mkdir()
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-                  str(tmp / PEFT_DIR / "adapter_model.safetensors"), metadata={"format": "pt"})
-        with open(tmp / PEFT_DIR / "adapter_config.json", "w") as f:
-            json.dump(adapter_config, f, indent=2)
+        _write_peft(tmp / PEFT_DIR, *peft_adapter)
     if folder.exists():
         # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first.
         old = folder.with_name(folder.name + ".old")
