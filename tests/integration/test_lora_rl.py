@@ -3,7 +3,6 @@ engine, mismatch_kl ~ 0 in sync mode) and exports a PEFT adapter; an SFT run res
 adapter-only checkpoint ends where an uninterrupted run ends."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -81,16 +80,18 @@ def test_a_lora_rl_job_completes_and_exports_a_peft_adapter(tmp_path):
 
 def test_a_resumed_lora_sft_run_ends_like_an_uninterrupted_one(tmp_path):
     (tmp_path / "sft.toml").write_text(SFT)
-    cfg = str(tmp_path / "sft.toml")
-    reference, run = tmp_path / "reference", tmp_path / "resumed"
-    meshrl("sft", "@", cfg, "--max-steps", "4", "--output-dir", str(reference))
-    meshrl("sft", "@", cfg, "--max-steps", "2", "--checkpoint.every", "2", "--output-dir", str(run))
-    meshrl("sft", "@", cfg, "--max-steps", "4", "--checkpoint.every", "2", "--output-dir", str(run), "--resume")
-    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
-        want = load_file(Path(reference) / "checkpoints" / "final" / name)
-        got = load_file(Path(run) / "checkpoints" / "final" / name)
-        assert got.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6, msg=key)
-    first = load_file(Path(run) / "checkpoints" / "final" / "adapter" / "adapter_model.safetensors")
-    assert any(v.abs().max() > 0 for k, v in first.items() if "lora_B" in k)
+    cfg, run = str(tmp_path / "sft.toml"), tmp_path / "run"
+    final = run / "checkpoints" / "final"
+    names = ("model.safetensors", "adapter/adapter_model.safetensors")
+    meshrl("sft", "@", cfg, "--max-steps", "4", "--checkpoint.every", "2", "--output-dir", str(run))
+    want = {name: load_file(final / name) for name in names}  # uninterrupted
+    # again from step_2's adapter-only checkpoint (the frozen base rebuilt from the seed)
+    meshrl("sft", "@", cfg, "--max-steps", "4", "--checkpoint.every", "2", "--output-dir", str(run),
+           "--resume.step", "2")
+    assert "loaded the trainer state" in (run / "logs" / "rank0-trainer.log").read_text()
+    for name in names:
+        got = load_file(final / name)
+        assert got.keys() == want[name].keys()
+        for key in got:
+            torch.testing.assert_close(got[key], want[name][key], rtol=0, atol=1e-6, msg=key)
+    assert any(v.abs().max() > 0 for k, v in want[names[1]].items() if "lora_B" in k)  # it trained
