@@ -118,7 +118,7 @@ def test_lora_from_the_cli_and_the_bad_target_exit_2(tmp_path):
     assert cfg.model.lora == LoRAConfig(rank=8)
     r = subprocess.run([sys.executable, "-m", "meshrl.runtime.cli", "rl", "--model.flavor", "debug",
                         "--model.tokenizer", "char", "--model.lora.target-modules", '["nope"]',
-                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "'nope' names no linear module" in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
