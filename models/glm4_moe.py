@@ -44,7 +44,8 @@ from meshrl.models.common.init import NORMAL, ONES, RESIDUAL, Constant
 from meshrl.models.common.moe import MoE, Routing
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
-from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
+from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, ROUTED_MOE_KEYS, SWIGLU_KEYS,
+                                             KeyMap, StateDictAdapter)
 
 MODEL_TYPE = "glm4_moe"
 
@@ -282,24 +283,11 @@ KEY_MAP = KeyMap(
            **gqa_keys(qkv_bias=True, qk_norm="head")},
     layer_keys={
         "dense": SWIGLU_KEYS,
-        "MoE": {
-            "moe.router.weight": "mlp.gate.weight",
-            "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-            "moe.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
-            "moe.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
-            "moe.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
-        },
+        "MoE": ROUTED_MOE_KEYS,
     },
     layer_kind=lambda args, i: "MoE" if args.is_moe_layer(i) else "dense",
-    experts={
-        "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
-        "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
-        "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
-    },
-    fused_experts={
-        "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
-        "mlp.experts.down_proj": ("moe.experts.w2",),
-    },
+    experts=EXPERT_KEYS,
+    fused_experts=FUSED_EXPERT_KEYS,
     expert_kind="MoE",
 )
 

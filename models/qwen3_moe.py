@@ -38,7 +38,8 @@ from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
 from meshrl.models.common.moe import MoE
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
-from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
+from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, SWIGLU_KEYS, KeyMap,
+                                             StateDictAdapter)
 from meshrl.models.qwen3 import ATTENTION_KEYS, Attention, qwen3_fields_from_hf
 
 MODEL_TYPE = "qwen3_moe"
@@ -283,15 +284,8 @@ KEY_MAP = KeyMap(
     block=ATTENTION_KEYS,
     layer_keys={"dense": SWIGLU_KEYS, "MoE": {"moe.router.weight": "mlp.gate.weight"}},
     layer_kind=lambda args, i: "MoE" if args.is_moe_layer(i) else "dense",
-    experts={
-        "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
-        "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
-        "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
-    },
-    fused_experts={
-        "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
-        "mlp.experts.down_proj": ("moe.experts.w2",),
-    },
+    experts=EXPERT_KEYS,
+    fused_experts=FUSED_EXPERT_KEYS,
     expert_kind="MoE",
 )
 

@@ -48,7 +48,8 @@ from meshrl.models.common.linear_attention import (GatedRMSNorm, causal_conv, ch
 from meshrl.models.common.moe import MoE
 from meshrl.models.common.norm import OffsetRMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, apply_rope
-from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
+from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, SWIGLU_KEYS, KeyMap,
+                                             StateDictAdapter)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -496,15 +497,8 @@ KEY_MAP = KeyMap(
         "moe.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
         "moe.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
     },
-    experts={
-        "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
-        "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
-        "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
-    },
-    fused_experts={
-        "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
-        "mlp.experts.down_proj": ("moe.experts.w2",),
-    },
+    experts=EXPERT_KEYS,
+    fused_experts=FUSED_EXPERT_KEYS,
 )
 
 # Qwen3.5's vision-language hub layout: the decoder under model.language_model., a vision tower

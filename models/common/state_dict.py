@@ -60,6 +60,27 @@ SWIGLU_KEYS: dict[str, str] = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
+# common/moe.py's grouped SwiGLU experts (E, I, D) / (E, D, I) as hub folders hold them, one key
+# per expert j under `mlp.experts` (KeyMap.experts), and the fused tensors transformers 5 writes,
+# read only (KeyMap.fused_experts): gate_up_proj (E, 2I, D) = [w1; w3], down_proj = w2.
+EXPERT_KEYS: dict[str, str] = {
+    "moe.experts.w1": "mlp.experts.{j}.gate_proj.weight",
+    "moe.experts.w2": "mlp.experts.{j}.down_proj.weight",
+    "moe.experts.w3": "mlp.experts.{j}.up_proj.weight",
+}
+FUSED_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+    "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
+    "mlp.experts.down_proj": ("moe.experts.w2",),
+}
+# The DeepSeek-V3 lineage's MoE layer outside the experts (DeepSeek-V3, GLM-4.5, GLM-5): the
+# sigmoid router, its score-correction bias and the shared experts.
+ROUTED_MOE_KEYS: dict[str, str] = {
+    "moe.router.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
 
 
 @dataclass(frozen=True)
