@@ -255,34 +255,9 @@ class VLLMEngine:
         self.has_tokenizer = tokenizer is not None
         self.version = 0
         self._live: dict[str, _Live] = {}
-        engine_args = vllm.EngineArgs(
-            model=str(model_dir),
-            tokenizer=None if tokenizer is None else str(tokenizer),
-            skip_tokenizer_init=tokenizer is None,
-            dtype=str(dtype).removeprefix("torch."),
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=1,
-            distributed_executor_backend="mp",
-            worker_extension_cls=WORKER_EXTENSION,
-            load_format="dummy",
-            logprobs_mode="processed_logprobs",
-            # Cached prompt KV would outlive a weight update and be reused under the new version.
-            enable_prefix_caching=False,
-            # One scheduler iteration per step(): the tokens of a step come from the weights of that step.
-            async_scheduling=False,
-            # Sampling comes from our requests only, never from the folder's generation_config.json.
-            generation_config="vllm",
-            disable_log_stats=True,
-            # A colocated engine's KV cache is a budget (runtime/memory.py), not whatever vLLM's
-            # profile finds free while the trainer on the same GPU allocates.
-            kv_cache_memory_bytes=kv_cache_bytes,
-            # inference.sleep_while_training: the KV cache can be freed while the trainer steps
-            enable_sleep_mode=sleep_mode,
-        )
+        engine_args = vllm.EngineArgs(**_engine_args(
+            model_dir, tokenizer, dtype, seed, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
+            kv_cache_bytes, sleep_mode))
         self._asleep = False
         with _engine_env(self.device):
             self._engine = vllm.LLMEngine.from_engine_args(engine_args)
@@ -443,6 +418,40 @@ class VLLMEngine:
             if out.finish_reason not in _FINISH:
                 raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r}")
             sample.finish_reason = _FINISH[out.finish_reason]
+
+
+def _engine_args(model_dir, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
+                 gpu_memory_utilization: float, enforce_eager: bool, kv_cache_bytes: int | None,
+                 sleep_mode: bool) -> dict[str, Any]:
+    """vLLM's engine arguments for one adapter engine (see VLLMEngine)."""
+    return dict(
+        model=str(model_dir),
+        tokenizer=None if tokenizer is None else str(tokenizer),
+        skip_tokenizer_init=tokenizer is None,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        tensor_parallel_size=1,
+        distributed_executor_backend="mp",
+        worker_extension_cls=WORKER_EXTENSION,
+        load_format="dummy",
+        logprobs_mode="processed_logprobs",
+        # Cached prompt KV would outlive a weight update and be reused under the new version.
+        enable_prefix_caching=False,
+        # One scheduler iteration per step(): the tokens of a step come from the weights of that step.
+        async_scheduling=False,
+        # Sampling comes from our requests only, never from the folder's generation_config.json.
+        generation_config="vllm",
+        disable_log_stats=True,
+        # A colocated engine's KV cache is a budget (runtime/memory.py), not whatever vLLM's
+        # profile finds free while the trainer on the same GPU allocates.
+        kv_cache_memory_bytes=kv_cache_bytes,
+        # inference.sleep_while_training: the KV cache can be freed while the trainer steps
+        enable_sleep_mode=sleep_mode,
+    )
 
 
 # ----------------------------------------------------------------------------- building from the config
