@@ -3,7 +3,8 @@
 The engine takes what is fixed: its weights in the inference dtype, its KV cache (a budget, not
 whatever happens to be free: both processes start at once) and a reserve for CUDA graphs,
 workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest, which must hold its share of the fp32 parameters, their
-gradients and AdamW's two moments, the shared weight buffer of the colocated path, one layer's
+gradients and AdamW's two moments (with LoRA: the frozen fp32 base, and those three for the adapters
+only), the shared weight buffer of the colocated path, one layer's
 gathered bf16 weights and the activations of one micro-batch. `plan` adds these up from the model
 shape (an estimate for the activations, stated as such), and `check` refuses a budget that cannot
 hold them before any process starts, with the numbers. With inference.sleep_while_training the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrl.models.common.lora import resolve_targets
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.policy import policy_skeleton
 
@@ -95,8 +97,14 @@ def kv_budget(cfg: RLConfig, total: int) -> int:
 
 def plan(cfg: RLConfig, total: int) -> MemoryPlan:
     """The plan for `cfg`'s model on a GPU of `total` bytes (inference dtype bf16)."""
-    model = policy_skeleton(cfg.model, torch.bfloat16)[0]
+    model, adapter, _, _ = policy_skeleton(cfg.model, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
+    state = 16 * params  # fp32 parameters, gradients and AdamW's two moments
+    if cfg.model.lora is not None:  # a frozen fp32 base; gradients and moments for the adapters only
+        lo = cfg.model.lora
+        chosen = resolve_targets(model, adapter, lo.target_modules)
+        adapters = sum(lo.rank * (m.in_features + m.out_features) for m in map(model.get_submodule, chosen))
+        state = 4 * params + 16 * adapters
     vocab, dim = model.output_weight.shape
     layers = list(model.layers.values() if hasattr(model.layers, "values") else model.layers)
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
@@ -111,7 +119,7 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
         # vLLM's worker is one more process on the GPU, with its own CUDA context
         engine_reserve=(ENGINE_RESERVE + SAMPLER_BYTES * cfg.inference.max_num_seqs * vocab
                         + (CONTEXT if cfg.inference.backend == "vllm" else 0)),
-        trainer_state=16 * params // cfg.layout.num_trainer_ranks,
+        trainer_state=state // cfg.layout.num_trainer_ranks,
         staging=2 * params,
         gathered_layer=2 * 2 * layer_params,  # bf16 weights and their gradients
         activations=_ACTIVATION_BYTES_PER_DIM[ac] * dim * tokens * len(layers),

@@ -221,3 +221,22 @@ def test_compiled_lora_blocks_match_eager():
             torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_colocated_memory_plan_counts_a_frozen_base():
+    """With LoRA the trainer holds fp32 base weights plus gradients and AdamW moments of the
+    adapters only: the 8B shape on one 139 GiB GPU is refused without LoRA and planned with it."""
+    from meshrl.runtime import memory
+    from meshrl.runtime.config import validate
+
+    raw = {"model": {"flavor": "8B", "tokenizer": "char"}, "layout": {"colocate": True},
+           "trainer": {"micro_batch_tokens": 4096, "parallel": {"activation_checkpointing": "full"}}}
+    full = memory.plan(validate(RLConfig, raw), 139 * memory.GIB)
+    lora = memory.plan(validate(RLConfig, {**raw, "model": {**raw["model"], "lora": {"rank": 16}}}), 139 * memory.GIB)
+    params = full.engine_weights // 2
+    fam = FAMILY.flavors["8B"]
+    per_layer = 16 * (2 * (fam.dim + fam.n_heads * fam.head_dim) + 2 * (fam.dim + fam.n_kv_heads * fam.head_dim)
+                      + 3 * (fam.dim + fam.hidden_dim))  # r * (in + out) of q and o, k and v, gate, up, down
+    assert full.trainer_state == 16 * params
+    assert lora.trainer_state == 4 * params + 16 * fam.n_layers * per_layer
+    assert full.peak > 139 * memory.GIB > lora.peak
