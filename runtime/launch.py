@@ -94,12 +94,21 @@ def parse_or_exit(cls: type[Base], argv: list[str], preflight: Callable[[Base], 
 
 
 def check_world_size(cfg: Base) -> None:
-    """Under torchrun, the job must have exactly the ranks the config lays out."""
-    world = os.environ.get("WORLD_SIZE")
+    """Under torchrun, the job must have exactly the ranks the config lays out; and a job of several
+    agents (nodes) that may restart must not share the agents' store (layout.init_world says why:
+    a restart would hang in the rendezvous or in init_process_group; docs/multinode.md)."""
+    env = os.environ
+    world = env.get("WORLD_SIZE")
     if world is not None and int(world) != cfg.world_size:
         raise ConfigError(
             f"the config lays out {cfg.world_size} ranks but torchrun started {world} "
             f"(set --nproc-per-node/--nnodes to match, or change the layout)")
+    agents = int(env.get("GROUP_WORLD_SIZE", "1"))
+    if agents > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 \
+            and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(
+            f"torchrun --max-restarts over {agents} agents needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
+            "agent's environment (torchrun/slurm.sbatch sets it; see docs/multinode.md)")
 
 
 FAILURE_RECORD = "torchrun-failure.json"

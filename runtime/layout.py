@@ -173,6 +173,13 @@ def init_world(cuda: bool, timeout_s: float) -> tuple[int, int]:
     After an elastic restart under torchrun's shared agent store, the previous attempt's group
     keys are still in that store and the new workers would read stale peer addresses (gloo:
     "connectFullMesh ... Connection refused"). Every attempt therefore gets its own key prefix.
+    That prefix is only sound with one agent: each agent counts its own restarts (one that
+    restarts for another node's failure, or was started again, counts fewer), so a job of several
+    agents that may restart runs without the shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    required by launch.check_world_size; rank 0 then hosts a fresh store every attempt).
+
+    Afterwards TORCHELASTIC_RESTART_COUNT holds the job's attempt, the largest of the agents'
+    counts, so that every rank (resume decision, log tags, restarts.jsonl) sees one value.
     """
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -185,6 +192,9 @@ def init_world(cuda: bool, timeout_s: float) -> tuple[int, int]:
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
+    job_attempt = torch.tensor([attempt], dtype=torch.int64)  # a CPU tensor: gloo carries it on GPU nodes too
+    dist.all_reduce(job_attempt, op=dist.ReduceOp.MAX)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(job_attempt))
     return dist.get_rank(), dist.get_world_size()
 
 

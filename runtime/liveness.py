@@ -127,7 +127,10 @@ def start_liveness(timeout_s: float, on_silent: Callable[[int, str, dict[str, An
         return None
     import torch.distributed as dist
 
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # a prefix per attempt on the agent's store, which outlives attempts (one agent: one count);
+    # without it (several agents) each attempt has a fresh store on rank 0 and the agents' counts differ
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if shared else 0
 
     def connect():
         # its own client (the thread's only), so it never waits behind the process group's requests
