@@ -57,49 +57,55 @@ TIMEOUT_S = 600  # the whole job; a loaded 2-core machine takes ~1.5 min for one
 # ----------------------------------------------------------------------------- roles (fast)
 
 
-def _roles_across_agents(rank, world_size, agents, gpus_per_node, out):
-    """One rank of a job whose agents have `agents` processes each, in rendezvous order."""
+CASES = [(agents, gpus) for agents in ((2, 3), (3, 2)) for gpus in (0, 2)]  # (processes per agent, GPUs per node)
+
+
+def _roles_across_agents(rank, world_size, out):
+    """One rank of a job of two agents, for every case of CASES in turn: its agent's processes
+    come first or second in the rendezvous, on CPU or on simulated nodes of 2 GPUs."""
     import torch.distributed as dist
 
     from meshrl.runtime import layout
 
-    starts = [sum(agents[:i]) for i in range(len(agents))]
-    node = max(i for i, s in enumerate(starts) if s <= rank)
-    os.environ.update(LOCAL_RANK=str(rank - starts[node]), LOCAL_WORLD_SIZE=str(agents[node]))
-    if gpus_per_node:  # a CUDA node as far as layout.py can tell, without touching a device
-        torch.cuda.is_available = lambda: True
-        torch.cuda.device_count = lambda: gpus_per_node
-        torch.cuda.set_device = lambda index: None
-    device = layout.pick_device(cuda=bool(gpus_per_node))
-    roles = layout.assign_roles(world_size, 2, world_size - 3, layout.find_controller(device))
-    seen = [None] * world_size
-    dist.all_gather_object(seen, (roles, str(device)))
+    real = torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device
+    results = []
+    for agents, gpus in CASES:
+        node = int(rank >= agents[0])
+        os.environ.update(LOCAL_RANK=str(rank - node * agents[0]), LOCAL_WORLD_SIZE=str(agents[node]))
+        if gpus:  # a CUDA node as far as layout.py can tell, without touching a device
+            torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: gpus)
+            torch.cuda.set_device = lambda index: None
+        device = layout.pick_device(cuda=bool(gpus))
+        roles = layout.assign_roles(world_size, 2, world_size - 3, layout.find_controller(device))
+        torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device = real
+        seen = [None] * world_size
+        dist.all_gather_object(seen, (roles.controller, roles.trainers, roles.inference, str(device)))
+        results.append(seen)
     if rank == 0:
-        Path(out).write_text(json.dumps([[r.controller, r.trainers, r.inference, d] for r, d in seen]))
+        Path(out).write_text(json.dumps(results))
 
 
-@pytest.mark.parametrize("gpus_per_node", [0, 2], ids=["cpu", "gpu"])
-@pytest.mark.parametrize("agents", [(2, 3), (3, 2)], ids=["small-agent-first", "large-agent-first"])
-def test_one_controller_job_wide_whichever_agent_gets_rank_0(agents, gpus_per_node, tmp_path):
+def test_one_controller_job_wide_whichever_agent_gets_rank_0(tmp_path):
     out = tmp_path / "roles.json"
-    run_ranks(_roles_across_agents, sum(agents), agents, gpus_per_node, str(out))
-    seen = json.loads(out.read_text())
-    assert all(s[:3] == seen[0][:3] for s in seen), seen  # every rank agrees
-    controller, trainers, inference = seen[0][:3]
-    first, second = range(agents[0]), range(agents[0], sum(agents))
-    devices = [s[3] for s in seen]
-    if gpus_per_node:
-        # GPUs by local rank; the one process past its node's GPUs (the Slurm template's extra
-        # process on the G+1 node) is the controller, whichever agent it is on
-        big = first if agents[0] > agents[1] else second
-        assert controller == big[-1]
-        assert devices == [f"cuda:{r - n[0]}" if r != controller else "cpu"
-                           for n in (first, second) for r in n]
-    else:
-        assert controller == first[-1]  # CPU: the last local rank of the agent with rank 0
-        assert devices == ["cpu"] * sum(agents)
-    others = [r for r in range(sum(agents)) if r != controller]
-    assert trainers == others[:2] and inference == others[2:]  # roles by global rank
+    run_ranks(_roles_across_agents, 5, str(out))
+    for (agents, gpus), seen in zip(CASES, json.loads(out.read_text())):
+        case = f"agents {agents}, {gpus} GPUs per node: {seen}"
+        assert all(s[:3] == seen[0][:3] for s in seen), case  # every rank agrees
+        controller, trainers, inference = seen[0][:3]
+        first, second = range(agents[0]), range(agents[0], sum(agents))
+        devices = [s[3] for s in seen]
+        if gpus:
+            # GPUs by local rank; the one process past its node's GPUs (the Slurm template's
+            # extra process on the G+1 node) is the controller, whichever agent it is on
+            big = first if agents[0] > agents[1] else second
+            assert controller == big[-1], case
+            want = [f"cuda:{r - n[0]}" if r != controller else "cpu" for n in (first, second) for r in n]
+            assert devices == want, case
+        else:
+            assert controller == first[-1], case  # CPU: the last local rank of the agent with rank 0
+            assert devices == ["cpu"] * sum(agents), case
+        others = [r for r in range(sum(agents)) if r != controller]
+        assert trainers == others[:2] and inference == others[2:], case  # roles by global rank
 
 
 # ----------------------------------------------------------------------------- torchrun agents
