@@ -251,8 +251,9 @@ class TrainerConfig(Base):
     """Parallel degrees of the trainer sub-mesh."""
     micro_batch_tokens: int = Field(2048, ge=16)
     """Tokens per packed micro-batch row (several documents per row)."""
-    attention: Literal["auto", "sdpa", "flex", "varlen", "flash_attn"] = "auto"
-    """Attention kernel for packed rows: auto = varlen on GPU in bf16/fp16, else sdpa (flex is opt-in)."""
+    attention: Literal["auto", "sdpa", "flex", "varlen", "flash_attn", "split"] = "auto"
+    """Attention kernel for packed rows: auto = varlen on GPU in bf16/fp16, split (one SDPA per document) on
+    CPU, else sdpa (a dense document mask); flex is opt-in."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
     moe_aux_loss_coef: float = Field(0.0, ge=0)

@@ -41,6 +41,11 @@ Packed-document backends (`make_document_attention` picks one), all with the sam
 - "varlen"  `VarlenDocumentAttention`: torch's flash-attention varlen kernel over cumulative
   document lengths. CUDA, B == 1, contiguous documents, bf16/fp16; torch >= 2.10.
 - "flash_attn"  the same with the flash-attn package's varlen function, when it is installed.
+- "split"  `SplitDocumentAttention`: one causal SDPA call per document of a packed row (B == 1,
+  contiguous documents), so the cost is the sum over documents of L^2, not T^2, and no mask
+  exists. Any device and dtype; the CPU default (a 2048-token row of 30 short documents costs
+  ~1/30 of the dense mask's attention). Falls back to the dense mask for sliding windows, sinks
+  and sparse selection.
 """
 
 from __future__ import annotations
@@ -196,8 +201,8 @@ def document_ids_from_positions(positions: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # GPU backends for packed documents.
 
-AttentionBackend = Literal["sdpa", "flex", "varlen", "flash_attn"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex", "varlen", "flash_attn")
+AttentionBackend = Literal["sdpa", "flex", "varlen", "flash_attn", "split"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex", "varlen", "flash_attn", "split")
 
 
 @functools.cache
@@ -402,6 +407,48 @@ class VarlenDocumentAttention:
         return out.transpose(0, 1).unsqueeze(0)
 
 
+class SplitDocumentAttention:
+    """Document-causal attention as one causal SDPA call per document (one packed row).
+
+    doc_ids (1, T) with each document's tokens contiguous (runtime/train/packing.py's rows). Each
+    document's q/k/v are views of the row; outputs are concatenated back in row order, so the
+    backward is SDPA's own per document. Cost: sum of L^2 over documents, plus one call per
+    document and layer (cheap next to T^2 once documents are a few dozen tokens or more).
+    Windows, sinks and sparse selection go through `DocumentCausalAttention`'s dense mask.
+    """
+
+    def __init__(self, doc_ids: Tensor) -> None:
+        if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
+            raise ValueError(f"split attention needs one packed row, doc_ids (1, T); got {tuple(doc_ids.shape)}")
+        self.doc_ids = doc_ids  # (1, T)
+        self._bounds: list[tuple[int, int]] | None = None
+        self._dense: DocumentCausalAttention | None = None
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """[(start, end)] of each document in the row, computed once per forward."""
+        if self._bounds is None:
+            cu_seqlens, _ = document_cu_seqlens(self.doc_ids)
+            cu = cu_seqlens.tolist()
+            self._bounds = list(zip(cu[:-1], cu[1:]))
+        return self._bounds
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
+        B, num_q_heads, T, _ = q.shape
+        assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        if window is not None or sinks is not None or index is not None or keep is not None:
+            if self._dense is None:
+                self._dense = DocumentCausalAttention(self.doc_ids)
+            return self._dense.attend(layer_id, q, k, v, window, sinks, index, keep)
+        gqa = num_q_heads != k.shape[1]
+        bounds = self.bounds()
+        if len(bounds) == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                               enable_gqa=gqa) for s, e in bounds]
+        return torch.cat(outs, dim=2)
+
+
 def make_document_attention(doc_ids: Tensor, backend: AttentionBackend) -> AttentionContext:
     """An attention context for packed rows doc_ids (B, T); see the module docstring for backends.
 
@@ -412,6 +459,8 @@ def make_document_attention(doc_ids: Tensor, backend: AttentionBackend) -> Atten
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
     if backend == "sdpa":
         return DocumentCausalAttention(doc_ids)
+    if backend == "split":
+        return SplitDocumentAttention(doc_ids)
     if backend == "varlen" and _torch_varlen_attn() is None:
         raise ValueError(f"attention backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10); "
                          f"this is torch {torch.__version__}")

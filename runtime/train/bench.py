@@ -70,7 +70,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     p.add_argument("--ac-every", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn"])
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn", "split"])
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per chunk of the logprob head")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default by name)")

@@ -41,13 +41,14 @@ _STAT_KEYS = ("loss_tokens", "masked_tokens", "clipped_tokens", "corrected_token
 
 
 def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.dtype) -> str:
-    """"auto": torch's varlen flash kernel on GPU in bf16/fp16 (packed rows, no compile), else
-    SDPA with a document mask (CPU, and GPU in fp32: compiled FlexAttention found no kernel for a
+    """"auto": torch's varlen flash kernel on GPU in bf16/fp16 (packed rows, no compile); on CPU one
+    causal SDPA per document ("split": the cost of the documents, not of a (T, T) mask over the
+    row); else SDPA with a document mask (GPU in fp32: compiled FlexAttention found no kernel for a
     small fp32 model on torch 2.11 and failed inside the RL trainer, so "flex" is opt-in)."""
     if backend != "auto":
         return backend
     if device.type != "cuda":
-        return "sdpa"
+        return "split"
     from meshrl.models.common.attention import _torch_varlen_attn
 
     half = compute_dtype in (torch.bfloat16, torch.float16)

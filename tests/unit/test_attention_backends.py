@@ -1,7 +1,8 @@
-"""Packed-document attention backends (flex, varlen) against `DocumentCausalAttention`.
+"""Packed-document attention backends (flex, varlen, split) against `DocumentCausalAttention`.
 
 On CPU torch runs FlexAttention forward only (no backward), and the varlen kernels not at all:
-the CPU tests cover flex's forward, the cumulative lengths and the factory's errors; the
+the CPU tests cover flex's forward, split (forward and backward), the cumulative lengths and
+the factory's errors; the
 `gpu`-marked tests compare forward and backward on CUDA.
 """
 
@@ -16,6 +17,7 @@ import torch
 from meshrl.models.common.attention import (
     DocumentCausalAttention,
     FlexDocumentAttention,
+    SplitDocumentAttention,
     VarlenDocumentAttention,
     document_block_mask,
     document_cu_seqlens,
@@ -157,6 +159,57 @@ def test_factory_sdpa_and_errors():
             make_document_attention(doc_ids, "varlen")
         with pytest.raises(ValueError, match=r"one packed row"):
             make_document_attention(torch.zeros(2, 7, dtype=torch.long), "varlen")
+
+
+def test_split_matches_the_dense_mask_on_cpu():
+    """One SDPA per document == the (T, T) document mask, forward and backward, with GQA."""
+    doc_ids = packed_doc_ids(LENGTHS)
+    q, k, v = random_qkv(B=1, Hq=8, Hkv=2, T=300, D=16, dtype=torch.float64, device="cpu")
+    upstream = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, grads = attend_with_grads(SplitDocumentAttention(doc_ids), q, k, v, upstream)
+    ref_out, ref_grads = attend_with_grads(DocumentCausalAttention(doc_ids), q, k, v, upstream)
+    assert rel_err(out, ref_out) < 1e-12
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g, ref) < 1e-12
+    assert SplitDocumentAttention(doc_ids).bounds()[:3] == [(0, 37), (37, 137), (137, 142)]
+    assert isinstance(make_document_attention(doc_ids, "split"), SplitDocumentAttention)
+    with pytest.raises(ValueError, match="one packed row"):
+        SplitDocumentAttention(torch.zeros(2, 7, dtype=torch.long))
+
+
+def test_split_falls_back_to_the_mask_for_windows_and_sinks():
+    doc_ids = packed_doc_ids([20, 30])
+    q, k, v = random_qkv(B=1, Hq=4, Hkv=2, T=50, D=16, dtype=torch.float64, device="cpu")
+    sinks = torch.randn(4, dtype=torch.float64)
+    for kwargs in ({"window": 8}, {"sinks": sinks}):
+        out = SplitDocumentAttention(doc_ids).attend(0, q, k, v, **kwargs)
+        ref = DocumentCausalAttention(doc_ids).attend(0, q, k, v, **kwargs)
+        assert rel_err(out, ref) < 1e-12, kwargs
+
+
+def test_split_in_model_matches_sdpa_on_cpu():
+    """The debug Qwen3 trains the same with split and with the dense mask (logits and grads)."""
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    model.double()
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    tokens = torch.randint(0, args.vocab_size, positions.shape, generator=torch.Generator().manual_seed(0))
+    doc_ids = document_ids_from_positions(positions)
+
+    def run(attn):
+        model.zero_grad()
+        logits = model(tokens, positions, attn)
+        logits.logsumexp(-1).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_logits, ref_grads = run(make_document_attention(doc_ids, "sdpa"))
+    logits, grads = run(make_document_attention(doc_ids, "split"))
+    assert rel_err(logits, ref_logits) < 1e-12
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g, ref) < 1e-10
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
