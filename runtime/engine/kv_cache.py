@@ -293,8 +293,13 @@ class KVCache:
 
 def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
     """cache (num_blocks, bs, Hkv, D) (a view of any layout), tables (B, nb) -> (Hkv, B, nb * bs, D)
-    keys in position order, head-major (no copy beyond the gather on the engine's storage)."""
-    return cache.permute(2, 0, 1, 3)[:, tables].flatten(2, 3)
+    keys in position order, head-major (no copy beyond the gather on the engine's storage).
+
+    index_select over the flattened table, not `[:, tables]`: advanced indexing took 4-6x longer
+    on CPU (tiny model, 64 rows x 8 blocks: 17 -> 3-4 ms a call, 2026-12-01)."""
+    num_kv_heads, (B, nb), bs, D = cache.shape[2], tables.shape, cache.shape[1], cache.shape[3]
+    picked = torch.index_select(cache.permute(2, 0, 1, 3), 1, tables.reshape(-1))  # (Hkv, B * nb, bs, D)
+    return picked.view(num_kv_heads, B, nb * bs, D)
 
 
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
