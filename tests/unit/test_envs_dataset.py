@@ -101,3 +101,17 @@ def test_config_checks_the_reward_name_and_rl_preflight_reads_the_file(tmp_path,
                               "env": {"name": "dataset", "path": str(tmp_path / "missing.jsonl")}})
     with pytest.raises(ValueError, match="missing.jsonl: no such file or folder"):
         rl.preflight(cfg)
+
+
+def test_the_sft_chat_example_configs_validate():
+    from pathlib import Path
+
+    from meshrl.runtime.config import EvalConfig, SFTConfig, load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "sft_chat"
+    sft, _ = load_config(SFTConfig, ["@", str(root / "sft.toml")])
+    assert sft.data is not None and sft.data.has_validation and sft.data.loss_on == "assistant"
+    rl, _ = load_config(RLConfig, ["@", str(root / "rl.toml")])
+    assert rl.env.name == "dataset" and rl.env.reward == "math"
+    ev, _ = load_config(EvalConfig, ["@", str(root / "eval.toml")])
+    assert ev.eval.example_offset == 0
