@@ -209,6 +209,17 @@ def parse_tool_calls(text: str) -> tuple[str, list[vf.ToolCall]]:
     return content, calls
 
 
+def taskset_name(taskset: vf.Taskset, spec: str) -> str:
+    """The taskset's own name, for its metrics (env/<name>/...): its config's id, else its class's name,
+    else the last part of ``spec`` (never the name of a loader function that returned it)."""
+    config_name = getattr(getattr(taskset, "config", None), "name", "")
+    if config_name:
+        return str(config_name)
+    if type(taskset).__name__ != "Taskset":
+        return type(taskset).__name__
+    return spec.rpartition(":")[2] or spec
+
+
 # ----------------------------------------------------------------------------- the environment
 
 
@@ -221,7 +232,7 @@ class VerifiersEnv:
         if mode not in ("auto", "direct", "harness"):
             raise ValueError(f"mode must be auto, direct or harness, got {mode!r}")
         self.taskset = load_taskset(taskset, taskset_args)
-        self.name = label or taskset.rpartition(":")[2] or taskset
+        self.name = label or taskset_name(self.taskset, taskset)
         self.mode, self.harness_id, self.turn_timeout_s = mode, harness, turn_timeout_s
         self._stream = iter(self.taskset)
         self._tasks: list[vf.Task] = []

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 from meshrl.runtime import launch as launching
-from meshrl.runtime import rl
 from meshrl.runtime.config import ConfigError, RLConfig, parse_args, validate
 
 USAGE = ("usage: meshrl bench rl @ cfg.toml [--async-steps K] [--warmup N] [--dotted.key value ...]\n"
@@ -53,6 +52,7 @@ def summarize(rows: list[dict], warmup: int) -> dict:
 
 
 def bench_rl(argv: list[str]) -> None:
+    from meshrl.runtime import rl  # torch and the whole job: only once a benchmark runs
     raw, flags = parse_args(argv)
     async_steps = raw.pop("async_steps", None)
     warmup = int(raw.pop("warmup", 2))
@@ -60,11 +60,13 @@ def bench_rl(argv: list[str]) -> None:
         launching.fail(f"unknown flag(s) {flags}\n{USAGE}")
     try:
         base = validate(RLConfig, raw)
-        rl.preflight(base)
+        root = Path(base.output_dir)
+        # each mode runs afresh in its own run directory (an earlier benchmark's is cleared)
+        base = base.model_copy(update={"overwrite": True, "resume": False})
+        rl.preflight(base.model_copy(update={"output_dir": str(root / "sync")}))
     except (ConfigError, ValueError) as e:
         launching.fail(str(e))
     k = async_steps if async_steps is not None else (base.max_off_policy_steps or 1)
-    root = Path(base.output_dir)
     for mode, steps in (("sync", 0), ("async", k)):
         cfg = base.model_copy(update={"max_off_policy_steps": steps, "output_dir": str(root / mode)})
         cfg.log.console = False

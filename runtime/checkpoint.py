@@ -64,10 +64,7 @@ from torch import nn
 
 from meshrl.envs.base import stop_token_ids
 from meshrl.models.common.lora import has_lora, is_lora_param, peft_adapter
-from meshrl.models.hf import save_hf_model, state_dict_adapter
-from meshrl.parallel import full_adapters, full_tensors
-from meshrl.runtime.rundir import check_run_dir_free, log, restart_count
-from meshrl.runtime.tokenizer import save_tokenizer
+from meshrl.runtime.rundir import check_run_dir_free, check_run_dir_fresh, log, restart_count
 
 FORMAT = 2  # 2: every file has a checksum (format 1 had sizes only and is refused: it cannot be verified)
 HASH = "sha256-of-64MiB-blocks"
@@ -91,6 +88,10 @@ def export_hf(model: nn.Module, args, tokenizer, path: Path, leader: bool, base_
     adapters as a PEFT folder `path/adapter/` too (for the base model `base_model`, the run's
     model.path: docs/lora.md).
     """
+    from meshrl.models.hf import save_hf_model, state_dict_adapter  # the models and the tokenizer stack
+    from meshrl.parallel import full_adapters, full_tensors
+    from meshrl.runtime.tokenizer import save_tokenizer
+
     state = {name: t.detach().to("cpu", torch.float32) for name, t in full_tensors(model)}
     peft = None
     if has_lora(model):
@@ -319,7 +320,7 @@ def resume_step(resume: Any, run_dir: Path, max_steps: int, kind: str, model: di
         found = find_checkpoint(root, verify=False, warn=False)
         if found is not None:
             raise ValueError(f"{root} holds checkpoints of an earlier run (latest step_{found[0]}): pass --resume to "
-                             f"continue it, or choose another output_dir")
+                             f"continue it, --overwrite to start over, or choose another output_dir")
         return None
     step = getattr(resume, "step", None)
     found = find_checkpoint(root, step, verify, warn)
@@ -337,13 +338,20 @@ def resume_step(resume: Any, run_dir: Path, max_steps: int, kind: str, model: di
 
 def check_resume(cfg, kind: str, decide: bool = False) -> int | None:
     """`resume_step` for a run config (RLConfig or SFTConfig): a pre-flight check on the launcher
-    (sizes only, silent, and the run directory must be free: `check_run_dir_free`), and with
-    `decide` the decision on rank 0 (`decide_resume`: checksums verified, skips warned once)."""
+    (sizes only, silent; the run directory must be free, `check_run_dir_free`, and a fresh start needs
+    it empty or `overwrite`, `check_run_dir_fresh`), and with `decide` the decision on rank 0 (`decide_resume`: checksums verified, skips warned once)."""
+    run_dir = Path(cfg.output_dir)
     if not decide:
-        check_run_dir_free(Path(cfg.output_dir))
+        check_run_dir_free(run_dir)
+        if cfg.overwrite and restart_count() == 0:  # the launcher clears it (runtime/launch.py)
+            check_run_dir_fresh(run_dir, overwrite=True)
+            return None
     env = cfg.env.model_dump() if hasattr(cfg, "env") else None
-    return resume_step(cfg.resume, Path(cfg.output_dir), cfg.max_steps, kind, cfg.model.model_dump(), env,
-                       restart_count(), verify=decide, warn=decide)
+    start = resume_step(cfg.resume, run_dir, cfg.max_steps, kind, cfg.model.model_dump(), env,
+                        restart_count(), verify=decide, warn=decide)
+    if start is None and not decide and restart_count() == 0:  # a fresh start: nothing of an earlier run
+        check_run_dir_fresh(run_dir, overwrite=cfg.resume == "auto")  # "auto" without a checkpoint starts over
+    return start
 
 
 def decide_resume(cfg, kind: str) -> int | None:

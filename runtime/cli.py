@@ -3,15 +3,23 @@
 Each training sub-command validates its config on this process (a mistake exits 2 with one line,
 before any process group exists), then starts torchrun with the rank module on the resolved
 config. The rank modules are `meshrl.runtime.rl` and `meshrl.runtime.sft`; `eval` runs in this
-process (runtime/eval.py). `bench` and
-`plot` live in their own modules (runtime/bench.py, runtime/engine/bench.py, runtime/plot.py), imported on use.
+process (runtime/eval.py). `bench` and `plot` live in their own modules (runtime/bench.py,
+runtime/engine/bench.py, runtime/train/bench.py, runtime/plot.py), imported on use.
+
+Order, so that help and mistakes are answered at once: `--help` and config validation need only
+pydantic and the config models (runtime/config.py, runtime/cli_help.py); the rank module, with
+torch and the rest, is imported only for the pre-flight checks and the launch that follow.
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
+import importlib.util
 import sys
 
 USAGE = """usage: meshrl COMMAND @ config.toml [@ more.toml ...] [--dotted.key value ...]
+       meshrl COMMAND --help [SECTION]
 
 commands:
   rl     asynchronous RL: controller + trainer + inference ranks in one torchrun job
@@ -19,7 +27,8 @@ commands:
   eval   evaluate a checkpoint on environments: mean reward, pass@k, per-environment metrics as
          JSON on stdout; results.json and samples.jsonl in output_dir
   bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL),
-         `meshrl bench engine [--flavor 0.6B] [--device cuda|cpu] [--no-hf] ...` (inference engine)
+         `meshrl bench engine [--flavor 0.6B] [--device cuda|cpu] [--no-hf] ...` (inference engine),
+         `meshrl bench trainer ...`, `meshrl bench checkpoint ...`
   plot   charts of a run: `meshrl plot RUN_DIR [--out DIR]` writes PNGs (default RUN_DIR/plots)
 
 examples:
@@ -27,45 +36,119 @@ examples:
   meshrl rl @ configs/reverse_text/rl.toml --trainer.optim.lr 3e-4 --max-steps 40
   meshrl eval @ configs/alphabet_sort/eval.toml --model.path runs/rl/checkpoints/final
   meshrl plot runs/rl
+  meshrl rl --help trainer.optim
+
+Every config field: docs/configs.md (or `meshrl COMMAND --help SECTION`).
 """
+
+# command -> (rank or program module, root config class, one-line summary, main options of sections)
+COMMANDS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "rl": ("meshrl.runtime.rl", "RLConfig",
+           "Asynchronous RL: one torchrun job of a controller, trainer ranks and inference ranks.",
+           ("model.path", "model.flavor", "model.tokenizer", "env.name", "trainer.optim.lr", "trainer.loss.type",
+            "inference.sampling.max_tokens", "inference.sampling.temperature", "layout.num_trainer_ranks",
+            "layout.num_inference_ranks", "checkpoint.every", "dist.device", "dist.allow_oversubscribe",
+            "dist.threads_per_rank", "eval.every", "wandb.enabled")),
+    "sft": ("meshrl.runtime.sft", "SFTConfig",
+            "Supervised fine-tuning on an environment's reference completions (no controller, no engine).",
+            ("model.path", "model.flavor", "model.tokenizer", "env.name", "trainer.optim.lr",
+             "trainer.micro_batch_tokens", "checkpoint.every", "dist.device", "dist.allow_oversubscribe",
+             "dist.threads_per_rank")),
+    "eval": ("meshrl.runtime.eval", "EvalConfig",
+             "Evaluate a checkpoint on an environment in this process: mean reward and pass@k as JSON.",
+             ("model.path", "model.flavor", "model.tokenizer", "env.name", "eval.num_examples",
+              "eval.samples_per_prompt", "eval.pass_k", "eval.temperature", "eval.max_tokens", "dist.device")),
+}
+BENCH = {"rl": "meshrl.runtime.bench", "checkpoint": "meshrl.runtime.bench", "engine": "meshrl.runtime.engine.bench",
+         "trainer": "meshrl.runtime.train.bench"}
+HELP = ("-h", "--help")
+
+
+def module_doc(module: str) -> str:
+    """A module's docstring, read from its source without importing it (no torch for `--help`)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    with open(spec.origin) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
+def unknown(what: str, name: str, known) -> None:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    print(f"meshrl: unknown {what} {name!r}{hint} (known: {', '.join(known)}; `meshrl --help`)", file=sys.stderr)
+    sys.exit(2)
+
+
+def help_section(rest: list[str]) -> str | None:
+    """The SECTION of `--help SECTION` anywhere in the arguments (None: the whole command)."""
+    i = next(i for i, a in enumerate(rest) if a in HELP)
+    nxt = rest[i + 1] if i + 1 < len(rest) else None
+    return nxt if nxt is not None and not nxt.startswith(("-", "@")) else None
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv or argv[0] in (*HELP, "help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
-    if command == "bench" and rest[:1] == ["engine"]:
-        from meshrl.runtime.engine import bench as bench_engine
-
-        bench_engine.main(rest[1:])
-        return
     if command == "bench":
-        from meshrl.runtime import bench
-
-        bench.main(rest)
+        _bench(rest)
         return
     if command == "plot":
         from meshrl.runtime import plot
 
+        if any(a in HELP for a in rest):
+            print(f"{plot.USAGE}\n\n{module_doc('meshrl.runtime.plot')}")
+            sys.exit(0)
         plot.main(rest)
         return
-    if command == "rl":
-        from meshrl.runtime import rl as module
-        from meshrl.runtime.config import RLConfig as cls
-    elif command == "sft":
-        from meshrl.runtime import sft as module
-        from meshrl.runtime.config import SFTConfig as cls
-    elif command == "eval":
-        from meshrl.runtime import eval as module
-        from meshrl.runtime.config import EvalConfig as cls
-    else:
-        print(f"meshrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
-    from meshrl.runtime import launch
+    if command not in COMMANDS:
+        unknown("command", command, [*COMMANDS, "bench", "plot"])
+    run_command(command, rest)
 
-    cfg, _ = launch.parse_or_exit(cls, rest, module.preflight)
+
+def _bench(rest: list[str]) -> None:
+    """`meshrl bench SUB ...`; `--help` reads the benchmark's docstring without importing it."""
+    if not rest or rest[0] in HELP:
+        from meshrl.runtime import bench
+
+        print(bench.USAGE, file=sys.stdout if rest else sys.stderr)
+        sys.exit(0 if rest else 2)
+    if rest[0] not in BENCH:
+        unknown("benchmark", rest[0], BENCH)
+    if any(a in HELP for a in rest[1:]):
+        print(module_doc(BENCH[rest[0]]))
+        sys.exit(0)
+    if rest[0] == "engine":
+        from meshrl.runtime.engine import bench as bench_engine
+
+        bench_engine.main(rest[1:])
+        return
+    from meshrl.runtime import bench
+
+    bench.main(rest)
+
+
+def run_command(command: str, rest: list[str]) -> None:
+    """`meshrl rl|sft|eval ...`: help, or validate (exit 2 on a mistake), then import the program, run its
+    pre-flight checks and launch it."""
+    from meshrl.runtime import config
+    from meshrl.runtime import launch as launching
+
+    module_name, class_name, summary, main_options = COMMANDS[command]
+    cls = getattr(config, class_name)
+    if any(a in HELP for a in rest):
+        from meshrl.runtime.cli_help import command_help
+
+        try:
+            print(command_help(command, cls, summary, help_section(rest), main_options), end="")
+        except ValueError as e:
+            launching.fail(str(e))
+        sys.exit(0)
+    cfg = launching.validate_or_exit(cls, rest)
+    module = importlib.import_module(module_name)
+    launching.preflight_or_exit(cfg, module.preflight)
     sys.exit(module.launch(cfg))
 
 

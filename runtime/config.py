@@ -515,6 +515,13 @@ class DistConfig(Base):
     max_restarts: int = Field(0, ge=0)
     """Restart the whole job up to this many times after a rank fails (`torchrun --max-restarts`, set
     by `meshrl rl|sft`); every restart resumes from the latest complete checkpoint (docs/checkpoints.md)."""
+    allow_oversubscribe: bool = False
+    """Run a CPU job whose trainer and inference ranks outnumber this node's CPU cores (refused otherwise:
+    the ranks would thrash; the environment variable MESHRL_ALLOW_OVERSUBSCRIBE=1 does the same, for
+    test suites)."""
+    threads_per_rank: int | None = Field(None, ge=1)
+    """torch threads of each rank (torch.set_num_threads, OMP_NUM_THREADS); unset: this node's CPU cores
+    divided by its trainer and inference ranks, at least 1, so the ranks share the cores."""
 
 
 class LogConfig(Base):
@@ -619,10 +626,15 @@ class RLConfig(Base):
     """Continue the run in output_dir: true (`--resume`) from the latest complete checkpoint,
     `--resume.step N` from step_N, "auto" from the latest if there is one (else start fresh: for
     requeued jobs). Restarts under `dist.max_restarts` resume by themselves."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds an earlier run, removing its files first (`--overwrite`; only a
+    directory with meshrl's .meshrl-run marker). Without it such a directory is refused."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases logging."""
 
     _env_name = model_validator(mode="before")(_default_env_name)
+
+    _overwrite = model_validator(mode="after")(lambda self: check_overwrite(self))
 
     @model_validator(mode="after")
     def _eval_fits(self) -> "RLConfig":
@@ -651,6 +663,18 @@ class RLConfig(Base):
     def world_size(self) -> int:
         """Processes the job needs."""
         return self.layout.world_size
+
+    @property
+    def num_compute_ranks(self) -> int:
+        """Ranks that compute (trainers and inference; the controller mostly waits)."""
+        return self.layout.num_trainer_ranks + self.layout.num_inference_ranks
+
+
+def check_overwrite(cfg: Any) -> Any:
+    """overwrite (start afresh) and resume (continue) exclude each other."""
+    if cfg.overwrite and cfg.resume is not False:
+        raise ValueError("overwrite and resume exclude each other: --overwrite starts afresh, --resume continues")
+    return cfg
 
 
 def check_colocation(cfg: "RLConfig") -> None:
@@ -753,10 +777,14 @@ class SFTConfig(Base):
     """Resumable checkpoints."""
     resume: bool | Literal["auto"] | ResumeConfig = False
     """Continue the run in output_dir (see RLConfig.resume)."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds an earlier run, removing its files first (see RLConfig.overwrite)."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases logging."""
 
     _env_name = model_validator(mode="before")(_default_env_name)
+
+    _overwrite = model_validator(mode="after")(lambda self: check_overwrite(self))
 
     @model_validator(mode="after")
     def _consistent(self) -> "SFTConfig":
@@ -769,6 +797,11 @@ class SFTConfig(Base):
     @property
     def world_size(self) -> int:
         """Processes the job needs."""
+        return self.num_ranks
+
+    @property
+    def num_compute_ranks(self) -> int:
+        """Ranks that compute: all of them."""
         return self.num_ranks
 
 
@@ -905,11 +938,14 @@ def validate(cls: type[Base], raw: dict[str, Any]) -> Base:
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, cls)) from None
 
 
-def format_validation_error(e: ValidationError) -> str:
-    """One line per problem, naming the dotted field, joined with '; '."""
+def format_validation_error(e: ValidationError, cls: type[Base] | None = None) -> str:
+    """One line per problem, naming the dotted field, joined with '; '. With the root class `cls`, an
+    unknown key gets the closest known one ("did you mean ...?", runtime/cli_help.py)."""
+    from meshrl.runtime.cli_help import suggest
+
     parts = []
     for err in e.errors():
         # drop pydantic's internal steps and the tag of a tagged union ("env.reverse-text" -> "env")
@@ -917,6 +953,8 @@ def format_validation_error(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+            if cls is not None:
+                msg += suggest(cls, [str(x) for x in err["loc"] if not str(x).startswith("function-")])
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             msg = f"{msg} (got {err['input']!r})"
         # a validator's message that already names its field needs no location prefix

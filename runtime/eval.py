@@ -19,15 +19,11 @@ from typing import Any
 
 import torch
 
-from meshrl.envs import make_env
 from meshrl.envs.dataset import check_dataset_envs
 from meshrl.runtime import launch as launching
 from meshrl.runtime.config import EvalConfig
-from meshrl.runtime.engine.build import build_native_engine
 from meshrl.runtime.layout import use_cuda
 from meshrl.runtime.policy import build_policy, check_model_source, compute_dtype, load_tokenizer_for
-from meshrl.runtime.rollout.episodes import EpisodeDriver
-from meshrl.runtime.rollout.evals import EvalCollector, evaluate
 
 __all__ = ["launch", "preflight", "run_eval"]
 
@@ -39,6 +35,11 @@ def preflight(cfg: EvalConfig) -> None:
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate cfg.model on cfg.env (or cfg.eval.env); write results.json and samples.jsonl; return the summary."""
+    from meshrl.envs import make_env  # the engine and the environments: not needed by the pre-flight checks
+    from meshrl.runtime.engine.build import build_native_engine
+    from meshrl.runtime.rollout.episodes import EpisodeDriver
+    from meshrl.runtime.rollout.evals import EvalCollector, evaluate
+
     start = time.perf_counter()
     device = torch.device("cuda") if use_cuda(cfg.dist.device) else torch.device("cpu")
     dtype = compute_dtype(cfg.model, device)

@@ -54,8 +54,9 @@ from typing import Any
 
 from meshrl.runtime.config import Base, ConfigError, load_config
 from meshrl.runtime.liveness import start_liveness
-from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, lock_run_dir, log, restart_count, unlock_run_dir,
-                                   write_config, write_error)
+from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, check_run_dir_fresh, clear_run_dir, lock_run_dir, log, mark_run_dir, restart_count,
+                                   run_dir_contents, unlock_run_dir, write_config, write_error)
+from meshrl.runtime.summary import print_summary
 
 EXIT_CONFIG = 2
 
@@ -67,11 +68,11 @@ def fail(message: str, code: int = EXIT_CONFIG) -> None:
     sys.exit(code)
 
 
-BARE_FLAGS = ("resume",)  # options that may stand alone: `--resume` means `--resume true`
+BARE_FLAGS = ("resume", "overwrite")  # options that may stand alone: `--resume` means `--resume true`
 
 
 def expand_flags(argv: list[str]) -> list[str]:
-    """Give the bare `--resume` its value `true` (other options always need a value)."""
+    """Give the bare `--resume` and `--overwrite` their value `true` (other options always need a value)."""
     out = []
     for i, arg in enumerate(argv):
         out.append(arg)
@@ -83,14 +84,29 @@ def expand_flags(argv: list[str]) -> list[str]:
 
 def parse_or_exit(cls: type[Base], argv: list[str], preflight: Callable[[Base], None]) -> tuple[Base, list[str]]:
     """Validate argv into `cls` and run the pre-flight checks; exit 2 with one line on a mistake."""
+    cfg = validate_or_exit(cls, argv)
+    preflight_or_exit(cfg, preflight)
+    return cfg, []
+
+
+def validate_or_exit(cls: type[Base], argv: list[str]) -> Base:
+    """argv (`@ files`, overrides) validated into `cls`; exit 2 with one line on a mistake. Needs only
+    the config models: the CLI calls it before importing torch or any rank program."""
     try:
         cfg, flags = load_config(cls, expand_flags(argv))
         if flags:
             raise ConfigError(f"unknown flag(s) {' '.join('--' + f for f in flags)}: every option needs a value")
-        preflight(cfg)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
         fail(str(e))
-    return cfg, flags
+    return cfg
+
+
+def preflight_or_exit(cfg: Base, preflight: Callable[[Base], None]) -> None:
+    """Run a program's pre-flight checks (model folder, world size, devices); exit 2 with one line."""
+    try:
+        preflight(cfg)
+    except ValueError as e:
+        fail(str(e))
 
 
 def check_world_size(cfg: Base) -> None:
@@ -111,6 +127,38 @@ def check_world_size(cfg: Base) -> None:
             "agent's environment (torchrun/slurm.sbatch sets it; see docs/multinode.md)")
 
 
+OVERSUBSCRIBE_ENV = "MESHRL_ALLOW_OVERSUBSCRIBE"
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def local_compute_ranks(cfg: Base) -> int:
+    """The config's trainer + inference ranks that run on this node (all of them on one node)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return cfg.num_compute_ranks if local is None else max(1, min(cfg.num_compute_ranks, int(local)))
+
+
+def check_cpu_cores(cfg: Base) -> None:
+    """A CPU job may not start more trainer + inference ranks on a node than it has cores, unless
+    dist.allow_oversubscribe (or MESHRL_ALLOW_OVERSUBSCRIBE=1) says so. Call only for CPU jobs."""
+    ranks, cores = local_compute_ranks(cfg), cpu_cores()
+    if ranks <= cores or cfg.dist.allow_oversubscribe or os.environ.get(OVERSUBSCRIBE_ENV) == "1":
+        return
+    raise ValueError(f"dist: this CPU job runs {ranks} trainer + inference ranks on {cores} CPU cores (the "
+                     f"{cfg.world_size} processes would thrash): use at most {cores}, or set "
+                     "--dist.allow-oversubscribe true")
+
+
+def threads_per_rank(cfg: Base) -> int:
+    """torch threads of one rank: dist.threads_per_rank, else the node's cores shared by its ranks."""
+    if cfg.dist.threads_per_rank is not None:
+        return cfg.dist.threads_per_rank
+    return max(1, cpu_cores() // local_compute_ranks(cfg))
+
+
 FAILURE_RECORD = "torchrun-failure.json"
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -121,8 +169,10 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
     Takes RUN_DIR's lock first (exit 2 with one line naming the holder if another job has it), then
     writes RUN_DIR/config.json and starts the agent in a session of its own."""
     run_dir = Path(cfg.output_dir)
+    started = time.time()
     try:
         lock_run_dir(run_dir)
+        prepare_run_dir(cfg, module.rsplit(".", 1)[-1])
     except ValueError as e:  # another job took it since the pre-flight check
         fail(str(e))
     config_path = write_config(run_dir, cfg.model_dump_json(indent=2))
@@ -135,7 +185,8 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
            f"--nproc-per-node={cfg.world_size}", f"--max-restarts={cfg.dist.max_restarts}", *(extra_torchrun or []),
            "-m", module, "@", str(config_path)]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
+    if cfg.dist.threads_per_rank is not None or "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(cfg))
     env[LOCK_ENV] = f"host {socket.gethostname()} pid {os.getpid()}"
     try:
         code, stopped_by = run_forwarding_signals(cmd, env)
@@ -151,7 +202,29 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
         return EXIT_SIGNAL[stopped_by]
     if code != 0:
         report_failure(run_dir, code)
+    else:
+        print_summary(cfg, module.rsplit(".", 1)[-1], time.time() - started)
     return code
+
+
+def prepare_run_dir(cfg: Base, kind: str) -> None:
+    """With RUN_DIR's lock held, before any rank writes: clear an earlier run's files when the run starts
+    afresh with `overwrite` (or resume = "auto" finds no checkpoint), then mark it as a meshrl run
+    directory. A torchrun restart keeps everything (it resumes)."""
+    from meshrl.runtime.checkpoint import checkpoints_dir, find_checkpoint
+
+    run_dir = Path(cfg.output_dir)
+    if restart_count() == 0 and run_dir_contents(run_dir):
+        auto_afresh = cfg.resume == "auto" and find_checkpoint(checkpoints_dir(run_dir), verify=False,
+                                                               warn=False) is None
+        if cfg.overwrite or auto_afresh:
+            removed = clear_run_dir(run_dir)
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"meshrl: {'--overwrite' if cfg.overwrite else 'resume = auto, no checkpoint'}: removed "
+                      f"{len(removed)} entries of the earlier run in {run_dir}", file=sys.stderr, flush=True)
+        elif cfg.resume is False:
+            check_run_dir_fresh(run_dir, overwrite=False)  # refused (the pre-flight check says so earlier)
+    mark_run_dir(run_dir, kind)
 
 
 def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, signal.Signals | None]:
@@ -184,8 +257,8 @@ def stop_line(run_dir: Path, cfg: Base, module: str, sig: signal.Signals) -> str
     what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
     command = f"meshrl {module.rsplit('.', 1)[-1]} @ {run_dir / 'config.json'}"
     if found is None:
-        return (f"{what} after {done} of {cfg.max_steps} steps; no checkpoint was complete yet, so `{command}` "
-                f"starts it over (set checkpoint.every to make runs resumable)")
+        return (f"{what} after {done} of {cfg.max_steps} steps; no checkpoint was complete yet, so `{command} "
+                f"--overwrite` starts it over (set checkpoint.every to make runs resumable)")
     return (f"{what} after {done} of {cfg.max_steps} steps; the latest checkpoint is step_{found[0]}: resume with "
             f"`{command} --resume`")
 
@@ -313,11 +386,20 @@ def rank_main(cls: type[Base], argv: list[str], preflight: Callable[[Base], None
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the rank ends at once, without a traceback
     cfg, _ = parse_or_exit(cls, argv, preflight)
+    import torch
+
+    torch.set_num_threads(threads_per_rank(cfg))  # the ranks of a node share its cores
     run_dir = Path(cfg.output_dir)
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 and LOCK_ENV not in os.environ:
+    direct = rank == 0 and LOCK_ENV not in os.environ  # started by torchrun itself, not by `meshrl`
+    started = time.time()
+    if direct:
+        from meshrl.runtime.checkpoint import check_resume
+
         try:
             lock_run_dir(run_dir)
+            check_resume(cfg, role_kind(cls))  # the launcher's pre-flight check of the run directory
+            prepare_run_dir(cfg, role_kind(cls))
         except ValueError as e:
             fail(str(e))
     archive_error(run_dir, rank)
@@ -325,6 +407,15 @@ def rank_main(cls: type[Base], argv: list[str], preflight: Callable[[Base], None
     guarded(run_dir, rank, role, lambda: body(cfg, run_dir))
     if liveness is not None:
         liveness.close()
+    # started by torchrun itself: the rank that wrote metrics.jsonl (the controller; sft's rank 0) sums up
+    if LOCK_ENV not in os.environ and ACTIVITY["role"] == ("controller" if role_kind(cls) == "rl" else "trainer") \
+            and (role_kind(cls) == "rl" or rank == 0):
+        print_summary(cfg, role_kind(cls), time.time() - started)
+
+
+def role_kind(cls: type[Base]) -> str:
+    """"rl" or "sft": the program a root config class belongs to."""
+    return "sft" if cls.__name__ == "SFTConfig" else "rl"
 
 
 def on_silent(run_dir: Path, rank: int, silent: int, message: str, beat: dict[str, Any] | None) -> None:

@@ -17,20 +17,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshrl.envs import make_env
 from meshrl.envs.dataset import check_dataset_envs
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import launch as launching
 from meshrl.runtime import memory
 from meshrl.runtime.config import RLConfig
-from meshrl.runtime.engine.build import check_tensor_parallel_model
-from meshrl.runtime.engine.loop import run_inference
 from meshrl.runtime.layout import (CONTROLLER, TRAINER, Layout, assign_roles, build_layout, find_controller, init_world,
                                    pick_device, resolve_colocation, use_cuda)
-from meshrl.runtime.policy import check_model_source, load_tokenizer_for
-from meshrl.runtime.rollout.controller import Controller
-from meshrl.runtime.rundir import MetricsWriter, log, record_restart, restart_count, setup_logging, write_config
-from meshrl.runtime.train.loop import run_trainer
+from meshrl.runtime.policy import check_model_source
+from meshrl.runtime.rundir import log, setup_logging
+
+# The roles' loops (engines, trainer, controller, environments, transformers, tensordict) are
+# imported in run_role: the launcher's pre-flight checks need none of them.
 
 MODULE = "meshrl.runtime.rl"
 
@@ -38,12 +36,17 @@ MODULE = "meshrl.runtime.rl"
 def preflight(cfg: RLConfig) -> None:
     """Checks that need no process group: model folder, world size, devices."""
     check_model_source(cfg.model, cfg.trainer.parallel.ep, cfg.trainer.parallel.cp)
-    check_tensor_parallel_model(cfg.inference, cfg.model)
+    if cfg.inference.tensor_parallel > 1:
+        from meshrl.runtime.engine.build import check_tensor_parallel_model
+
+        check_tensor_parallel_model(cfg.inference, cfg.model)
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "rl")
         check_dataset_envs(cfg.env, cfg.eval.env)  # reads the files once; the controller reads them again
     cuda = use_cuda(cfg.dist.device)
+    if not cuda:
+        launching.check_cpu_cores(cfg)
     lay = cfg.layout
     colocated = resolve_colocation(lay.colocate, lay.num_trainer_ranks, lay.num_inference_ranks,
                                    cfg.inference.tensor_parallel, cuda)
@@ -101,6 +104,10 @@ def run_rank(cfg: RLConfig, run_dir: Path) -> None:
 def run_role(cfg: RLConfig, layout: Layout, run_dir: Path, start: int | None = None, ckpt_group=None) -> None:
     """`start`: the checkpoint step this run resumes from (None: a fresh run)."""
     if layout.role == CONTROLLER:
+        from meshrl.envs import make_env
+        from meshrl.runtime.policy import load_tokenizer_for
+        from meshrl.runtime.rollout.controller import Controller
+        from meshrl.runtime.rundir import MetricsWriter, record_restart, restart_count, write_config
         from meshrl.runtime.wandb_logger import make_sinks
 
         write_config(run_dir, cfg.model_dump_json(indent=2))
@@ -115,8 +122,12 @@ def run_role(cfg: RLConfig, layout: Layout, run_dir: Path, start: int | None = N
         final = controller.run()
         log.info("finished: %s", final)
     elif layout.role == TRAINER:
+        from meshrl.runtime.train.loop import run_trainer
+
         run_trainer(cfg, layout, start, ckpt_group)
     else:
+        from meshrl.runtime.engine.loop import run_inference
+
         run_inference(cfg, layout, start or 0)
 
 

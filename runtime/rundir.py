@@ -16,6 +16,11 @@
                                 written by the launcher's agent (runtime/launch.py)
       job.lock             flock held by the job using the directory (its host and pid inside):
                            a second job on the same directory is refused
+      .meshrl-run          marker: this is a meshrl run directory (what `--overwrite` may clear)
+
+A fresh run (no `--resume`) needs an empty or missing directory: one holding an earlier run is
+refused (`check_run_dir_fresh`), unless `--overwrite` clears it first (`clear_run_dir`, which
+touches only directories with the marker). So a directory never mixes two runs' files.
 """
 
 from __future__ import annotations
@@ -101,6 +106,56 @@ def check_run_dir_free(run_dir: Path) -> None:
         os.close(fd)
 
 
+MARKER_FILE = ".meshrl-run"
+KEEP = (LOCK_FILE, MARKER_FILE)  # what a fresh run may find in its directory
+
+
+def run_dir_contents(run_dir: Path) -> list[str]:
+    """Names in RUN_DIR other than the lock and the marker (an earlier run's files), sorted."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in KEEP)
+
+
+def check_run_dir_fresh(run_dir: Path, overwrite: bool) -> None:
+    """ValueError (one line) when a fresh run would mix its files with an earlier run's in RUN_DIR, or
+    when --overwrite is asked for a folder that is not a meshrl run directory."""
+    used = run_dir_contents(run_dir)
+    if not used:
+        return
+    shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+    if not overwrite:
+        raise ValueError(f"{run_dir} holds an earlier run ({shown}): pass --overwrite to clear it, --resume to "
+                         "continue it, or choose another output_dir")
+    if not (run_dir / MARKER_FILE).is_file():
+        raise ValueError(f"--overwrite: {run_dir} is not a meshrl run directory (no {MARKER_FILE} marker; it "
+                         f"holds {shown}); it is left alone: remove it yourself or choose another output_dir")
+
+
+def clear_run_dir(run_dir: Path) -> list[str]:
+    """Remove an earlier run's files from RUN_DIR (a marked run directory; the lock, held by the caller,
+    and the marker stay). Returns the names removed."""
+    import shutil
+
+    check_run_dir_fresh(run_dir, overwrite=True)
+    removed = run_dir_contents(run_dir)
+    for name in removed:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
+
+
+def mark_run_dir(run_dir: Path, kind: str) -> None:
+    """Write the marker that makes RUN_DIR a meshrl run directory (kept if there is one)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / MARKER_FILE
+    if not marker.is_file():
+        marker.write_text(json.dumps({"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+
+
 def restart_count() -> int:
     """How many times torchrun's elastic agent restarted this job (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -181,7 +236,8 @@ class MetricsWriter:
 
     A fresh run (`start_step` 0) empties metrics.jsonl. A resumed one keeps the rows of the steps
     before `start_step` and drops the later ones, which the resumed run computes again, so every
-    step appears exactly once; `steps_lost` counts the dropped steps. Rows also go to `sinks`.
+    step appears exactly once; `steps_lost` counts the dropped steps. The samples of the dropped
+    steps go too, and the plots (made from the old rows). Rows also go to `sinks`.
     """
 
     def __init__(self, run_dir: Path, start_step: int = 0, sinks: Iterable[MetricsSink] = ()):
@@ -197,6 +253,11 @@ class MetricsWriter:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
+        for path in (run_dir / "samples").glob("step_*.jsonl"):
+            if not path.stem.removeprefix("step_").isdigit() or int(path.stem.removeprefix("step_")) >= start_step:
+                path.unlink()
+        for path in (run_dir / "plots").glob("*.png"):
+            path.unlink()
 
     def write(self, metrics: dict[str, Any]) -> None:
         row = {k: _clean(v) for k, v in metrics.items()}
@@ -302,7 +363,8 @@ class Heartbeat:
 
 
 class ProgressLine:
-    """A live status line (rich) on a terminal; one plain line per step elsewhere (CI, files)."""
+    """A live status line (rich) on a terminal; one plain line per step elsewhere (CI, files). Steps are
+    named as in metrics.jsonl, samples/ and the logs (from 0): "rl step 4 (5/20) ..." after step 4."""
 
     def __init__(self, total: int, enabled: bool, label: str):
         self.enabled = enabled
@@ -319,13 +381,14 @@ class ProgressLine:
             self._task = self._progress.add_task(label, total=total, status="starting")
             self._progress.start()
 
-    def update(self, done: int, status: str) -> None:
+    def update(self, step: int, status: str) -> None:
+        """Step `step` (metrics.jsonl's number) is done."""
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.update(self._task, completed=done, status=status)
+            self._progress.update(self._task, completed=step + 1, status=f"step {step}  {status}")
         else:
-            print(f"{self.label} {done}/{self.total} {status}", file=sys.stderr, flush=True)
+            print(f"{self.label} step {step} ({step + 1}/{self.total}) {status}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

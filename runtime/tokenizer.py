@@ -18,13 +18,16 @@ end a turn besides eos; `load_tokenizer` adds a model folder's generation_config
 ``eos_token_id`` list to them (envs/base.py's `stop_token_ids` reads them).
 """
 
+from __future__ import annotations
+
 import json
 import string
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built or loaded (it takes seconds)
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["BPE_SPECIAL_TOKENS", "CHARACTERS", "CHATML_TEMPLATE", "SPECIAL_TOKENS", "build_bpe_tokenizer",
            "build_char_tokenizer", "save_tokenizer", "load_tokenizer"]
@@ -39,6 +42,9 @@ def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
 
     `vocab_size`: pad the vocabulary with ``<extra_i>`` tokens (never produced by encoding) up to
     this size, so that a model of a real shape keeps its real vocabulary (benchmarks)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
     tokens = SPECIAL_TOKENS + tuple(CHARACTERS)
     if vocab_size is not None:
         if vocab_size < len(tokens):
@@ -78,6 +84,9 @@ def build_bpe_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 3
 
     Every byte has a token, so any text encodes and decodes back exactly. Training is
     deterministic: the same corpus gives the same vocabulary and merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -101,6 +110,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load a saved tokenizer folder with ``AutoTokenizer``, offline."""
+    from transformers import AutoTokenizer
+
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"no tokenizer at {folder}: expected {folder / 'tokenizer.json'} (see save_tokenizer)")

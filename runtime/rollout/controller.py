@@ -50,12 +50,12 @@ from pathlib import Path
 import torch
 
 from meshrl.envs import make_env
-from meshrl.envs.base import Environment, Example, decode_reply
+from meshrl.envs.base import Environment, Example
 from meshrl.runtime import checkpoint as ckpt
 from meshrl.runtime import protocol, transport
 from meshrl.runtime.train.losses import DROP_REASONS, filter_reason, group_advantages, length_penalized
 from meshrl.runtime.config import AdvantageConfig, RLConfig
-from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter
+from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter, completion_text
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
@@ -95,6 +95,8 @@ class StepState:
     pending: int
     completion_tokens: int = 0
     failed: int = 0
+    sampled_tokens: int = 0      # tokens the policy sampled for this step's rollouts
+    done_at: float | None = None  # when its last rollout finished
 
 
 @dataclass
@@ -106,7 +108,6 @@ class Clock:
     training: bool = False       # a batch is with the trainer
     weights_version: int = 0     # newest version the inference ranks were told to load
     last_report_at: float = field(default_factory=time.perf_counter)
-    tokens_since_report: int = 0
 
 
 def _sampled_tokens(r: Rollout) -> int:
@@ -151,6 +152,7 @@ class Controller:
         self.clock = Clock()
         self.cursor = 0
         self._cursor_at: dict[int, int] = {}  # step -> cursor before its prompts (for checkpoints)
+        self._previous_done_at = 0.0  # when the last step built had all its rollouts (tokens/rollout_per_s)
         self.steps: dict[int, StepState] = {}
         self.where: dict[int, tuple[int, int, int]] = {}  # request id -> (step, group, sample)
         self.next_request_id = 0
@@ -269,10 +271,8 @@ class Controller:
 
     def _on_completions(self, msg: Message) -> None:
         for turn in protocol.read_completions(msg):
-            key = self.turns.on_completion(turn.request_id, turn.token_ids, turn.logprobs, turn.versions,
-                                           turn.finish_reason)
-            if key[0] == "train":
-                self.clock.tokens_since_report += len(turn.token_ids)
+            self.turns.on_completion(turn.request_id, turn.token_ids, turn.logprobs, turn.versions,
+                                     turn.finish_reason)
 
     def _on_episode(self, event: EnvEvent) -> None:
         """An environment call finished: the episode's next turn is queued, or the episode is over."""
@@ -292,15 +292,16 @@ class Controller:
         group.rollouts[j] = rollout
         state.pending -= 1
         state.completion_tokens += len(rollout.token_ids)
+        state.sampled_tokens += _sampled_tokens(rollout)
+        if state.pending == 0:
+            state.done_at = time.perf_counter()
         state.failed += rollout.failed
         if rollout.failed:
             log.error("rollout of %s example %d failed and is excluded: %s", result.env, result.example.index,
                       result.error)
 
     def _rollout(self, result: EpisodeResult) -> Rollout:
-        multi_turn = not all(result.mask)
-        text = (self.tokenizer.decode(result.token_ids) if multi_turn
-                else decode_reply(self.tokenizer, result.token_ids))
+        text = completion_text(self.tokenizer, result)
         reward = result.reward
         return Rollout(result.token_ids, result.logprobs, result.versions, result.finish_reason, text=text,
                        reward=reward.total if reward is not None else 0.0, failed=result.failed,
@@ -382,10 +383,22 @@ class Controller:
             "rollouts/truncated_fraction": truncated / total,
             "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
             "time/rollout_s": time.perf_counter() - state.dispatched_at,
+            "tokens/rollout_per_s": self._rollout_rate(state),
             **self._env_stats(state),
         }
         self._write_samples(step, state)
         return samples, stats
+
+    def _rollout_rate(self, state: StepState) -> float:
+        """Sampled tokens per second of this step's rollouts, over the time the engines worked on them:
+        from its dispatch, or from when the previous step's rollouts were done if that was later (the
+        engines were busy with those), to its last rollout. Every step has its own, the last one too."""
+        done = state.done_at if state.done_at is not None else time.perf_counter()
+        began = max(state.dispatched_at, self._previous_done_at)
+        if began >= done:  # finished before the previous step's rollouts: it had the engines alongside them
+            began = state.dispatched_at
+        self._previous_done_at = done
+        return state.sampled_tokens / max(done - began, 1e-9)
 
     def _env_stats(self, state: StepState) -> dict[str, float]:
         """env/<name>/reward, env/<name>/<component or metric> (means), env/<name>/failed, per environment."""
@@ -429,7 +442,6 @@ class Controller:
         metrics = {"step": step, **self._pending_stats,
                    **{k: trainer[k] for k in ("loss", "pg_loss", "kl_loss", "mismatch_kl", "entropy",
                                               "masked_fraction", "grad_norm", "lr")},
-                   "tokens/rollout_per_s": self.clock.tokens_since_report / max(elapsed, 1e-9),
                    "tokens/train_per_s": trainer["train_tokens"] / max(trainer["train_time_s"], 1e-9),
                    "time/step_s": elapsed,
                    "time/train_s": trainer["train_time_s"],
@@ -447,9 +459,8 @@ class Controller:
         self.clock.trained += 1
         self.clock.training = False
         self.clock.last_report_at = now
-        self.clock.tokens_since_report = 0
         self.final = metrics
-        self.progress.update(self.clock.trained, (
+        self.progress.update(step, (
             f"reward {metrics['reward/mean']:.3f}  lag {metrics['policy_lag/max']}  "
             f"rollout {metrics['tokens/rollout_per_s']:.0f} tok/s  train {metrics['tokens/train_per_s']:.0f} tok/s"))
         log.info("step %d: %s", step, {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})

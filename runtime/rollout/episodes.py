@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from meshrl.envs.base import Episode, Example, Reward, as_reward, make_episode, stop_token_ids
+from meshrl.envs.base import Episode, Example, Reward, as_reward, decode_reply, make_episode, stop_token_ids
 from meshrl.envs.sandbox import SandboxLimits, call_in_subprocess
 
 __all__ = ["EnvEvent", "EpisodeDriver", "EpisodeResult", "Generate", "TurnRouter"]
@@ -280,6 +280,13 @@ class EpisodeDriver:
             if hasattr(live.episode, "close"):  # e.g. a harness episode stops its agent
                 live.episode.close()
         return r
+
+
+def completion_text(tokenizer: Any, result: EpisodeResult) -> str:
+    """An episode's completion as a person reads it (samples/, eval's samples.jsonl): a single turn without
+    the stop token it ended on; a multi-turn episode's whole token stream decoded."""
+    multi_turn = not all(result.mask)
+    return tokenizer.decode(result.token_ids) if multi_turn else decode_reply(tokenizer, result.token_ids)
 
 
 def _score_in_child(episode: Episode) -> Reward:

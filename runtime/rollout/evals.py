@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.runtime.engine.api import Request, SamplingParams
-from meshrl.runtime.rollout.episodes import EpisodeDriver, EpisodeResult, Generate
+from meshrl.runtime.rollout.episodes import EpisodeDriver, EpisodeResult, Generate, completion_text
 
 __all__ = ["EvalCollector", "OnlineEval", "evaluate", "pass_at_k", "sample_seed"]
 
@@ -94,7 +94,7 @@ class EvalCollector:
         rows = []
         for (i, j), r in sorted(self.results.items()):
             rows.append({"example": i, "sample": j, "env": r.env, "index": r.example.index, "prompt": r.example.prompt,
-                         "answer": r.example.answer, "completion": tokenizer.decode(r.token_ids),
+                         "answer": r.example.answer, "completion": completion_text(tokenizer, r),
                          "reward": r.reward.total if r.reward is not None else None,
                          "components": r.reward.components if r.reward is not None else {},
                          "metrics": r.reward.metrics if r.reward is not None else {},

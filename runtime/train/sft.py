@@ -136,7 +136,7 @@ class SFTLoop:
         self.metrics.write(row)
         status = f"loss {row['loss']:.3f}" + "".join(f"  {k} {row[k]:.3f}" for k in ("eval/reward", "val/loss")
                                                       if k in row)
-        self.progress.update(step + 1, status)
+        self.progress.update(step, status)
         log.info("step %d: %s", step, row)
 
     def _maybe_checkpoint(self, n: int) -> None:

@@ -253,7 +253,9 @@ class Trainer:
         return stats
 
     def _optimizer_step(self, skip: bool) -> float:
-        """Clip, step, advance the schedule and the version. Returns the global grad norm."""
+        """Clip, step, advance the schedule and the version. Returns the global grad norm. A skipped
+        step (no loss tokens, or a non-finite norm) leaves the weights and the learning-rate schedule
+        where they were (the warm-up counts optimizer steps); the version still advances."""
         shard_group = None if self.meshes is None else self.meshes.shard_group
         norm = clip_grad_norm_(self.model, self.cfg.max_grad_norm, shard_group)
         if not math.isfinite(norm):  # the same global norm on every rank: all skip together
@@ -263,8 +265,8 @@ class Trainer:
             skip = True
         if not skip:
             self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self.version += 1
         return norm
 

@@ -51,12 +51,16 @@ def warm_start(tmp_path_factory) -> Path:
 def test_rl_reward_rises_asynchronously(warm_start, tmp_path):
     run = tmp_path / "rl"
     start = time.perf_counter()
-    meshrl("rl", "@", RL, "--model.path", str(warm_start), "--max-steps", "40", "--output-dir", str(run))
+    proc = meshrl("rl", "@", RL, "--model.path", str(warm_start), "--max-steps", "40", "--output-dir", str(run))
     elapsed = time.perf_counter() - start
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(40))
     for key in METRICS:
         assert all(key in r for r in rows), key
+    assert all(row["tokens/rollout_per_s"] > 0 for row in rows)  # the last step's too
+    summary = proc.stderr[proc.stderr.index("meshrl: rl finished: 40 steps"):].splitlines()
+    assert summary[1].split() == ["checkpoint", str(run / "checkpoints" / "final"), "(HF", "folder)"]
+    assert any(line.split()[:3] == ["meshrl", "eval", "@"] for line in summary)
     assert max(r["policy_lag/max"] for r in rows) <= 1  # max_off_policy_steps = 1
     assert max(r["policy_lag/max"] for r in rows) == 1  # and it did run ahead
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
@@ -75,22 +79,17 @@ def test_rl_reward_rises_asynchronously(warm_start, tmp_path):
     assert AutoTokenizer.from_pretrained(final).eos_token_id == 1
 
 
-def test_synchronous_mode_is_on_policy_and_engine_matches_trainer(warm_start, tmp_path):
+def test_synchronous_two_trainer_ranks_and_two_engines_are_on_policy(warm_start, tmp_path):
+    """One job for what were two (sync 1+1 for 4 steps, async 2+2 for 3 steps): synchronous, 2 FSDP
+    trainer ranks, 2 engines. The asynchronous path runs in test_rl_reward_rises_asynchronously."""
     run = tmp_path / "sync"
-    meshrl("rl", "@", RL, "--model.path", str(warm_start), "--max-steps", "4", "--max-off-policy-steps", "0",
-           "--output-dir", str(run))
+    meshrl("rl", "@", RL, "--model.path", str(warm_start), "--max-steps", "3", "--max-off-policy-steps", "0",
+           "--layout.num-trainer-ranks", "2", "--layout.num-inference-ranks", "2", "--output-dir", str(run))
     rows = read_metrics(run)
-    assert all(r["policy_lag/max"] == 0 for r in rows)
-    # the trainer recomputes the logprobs the engine sampled with, with the same weights: equal in fp32
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["policy_lag/max"] == 0 for r in rows)
+    # the trainer recomputes the logprobs both engines sampled with, with the same (gathered, broadcast)
+    # weights: equal in fp32
     assert all(r["mismatch_kl"] <= 1e-6 for r in rows), [r["mismatch_kl"] for r in rows]
-
-
-def test_two_trainer_ranks_and_two_engines(warm_start, tmp_path):
-    run = tmp_path / "wide"
-    meshrl("rl", "@", RL, "--model.path", str(warm_start), "--max-steps", "3", "--layout.num-trainer-ranks", "2",
-           "--layout.num-inference-ranks", "2", "--output-dir", str(run))
-    rows = read_metrics(run)
-    assert len(rows) == 3 and all(r["policy_lag/max"] <= 1 for r in rows)
     assert len(list((run / "logs").glob("rank*-inference.log"))) == 2
 
 

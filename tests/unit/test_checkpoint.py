@@ -11,6 +11,7 @@ import pickle
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -165,10 +166,13 @@ def test_schedule_position_and_a_changed_lr_apply_on_resume():
 def test_nonfinite_gradients_skip_the_step_and_are_counted(caplog):
     t = _trainer()
     before = {k: v.detach().clone() for k, v in t.model.named_parameters()}
-    with caplog.at_level(logging.WARNING, logger="meshrl"):
+    schedule = t.scheduler.last_epoch
+    with caplog.at_level(logging.WARNING, logger="meshrl"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" from PyTorch
         stats = _step(t, advantage_scale=float("nan"))
     assert not all(map(lambda x: x == x, [stats["grad_norm"]]))  # NaN
     assert stats["nonfinite_steps"] == 1 and t.nonfinite_steps == 1 and t.version == 1
+    assert t.scheduler.last_epoch == schedule  # the skipped step did not advance the learning-rate schedule
     for k, v in t.model.named_parameters():
         assert torch.equal(v, before[k]), k  # weights untouched
     assert "update skipped" in caplog.text

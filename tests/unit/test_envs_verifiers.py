@@ -130,9 +130,15 @@ def test_direct_single_turn_uses_the_tasks_prompts_and_reward_functions():
     assert not any(r.failed for r in results.values())
 
 
+def load_sort_taskset() -> SortTaskset:
+    """A loader function: its taskset's metrics carry the taskset's name, not this function's."""
+    return SortTaskset(vf.TasksetConfig())
+
+
 def test_taskset_by_class_function_and_errors():
     env = make_env("verifiers", taskset=f"{HERE}:SortTaskset", seed=3, label="sorting")
     assert env.name == "sorting" and sorted(env.example(i).prompt for i in range(3)) == ["c a b", "m n k l", "z y"]
+    assert make_env("verifiers", taskset=f"{HERE}:load_sort_taskset").name == "SortTaskset"
     with pytest.raises(ValueError, match="cannot import"):
         make_env("verifiers", taskset=f"{HERE}:Nope")
     with pytest.raises(ValueError, match="not a Taskset"):
