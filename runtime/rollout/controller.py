@@ -301,6 +301,7 @@ class Controller:
                       result.error)
 
     def _rollout(self, result: EpisodeResult) -> Rollout:
+        multi_turn = not all(result.mask)
         text = completion_text(self.tokenizer, result)
         reward = result.reward
         return Rollout(result.token_ids, result.logprobs, result.versions, result.finish_reason, text=text,
