@@ -6,6 +6,9 @@ model classes: a native family when meshrl has one for the config's model_type, 
 asked with impl="hf") the transformers wrapper of models/generic_hf.py. Keys are renamed by the
 family's state-dict adapter; values are only cast/copied.
 
+Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-FP8, GLM FP8 releases) load dequantised;
+`fp8_out` hands their raw e4m3 weights and scales to an FP8 engine (models/common/fp8.py).
+
 Loading copies tensor by tensor from the safetensors files into a model that was built on the
 meta device and materialised with `to_empty`, so peak host memory is one tensor, not one model.
 Saving goes through `<path>.tmp` and `os.replace`, so a crash never leaves a half-written folder
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 
 from meshrl.models import family_of_args
 from meshrl.models.common.lora import is_lora_param
+from meshrl.models.common.fp8 import BLOCK, FP8, dequantize_blocks, fp8_checkpoint_block
 from meshrl.models.generic_hf import GENERIC_FAMILY, GenericArgs, Impl, family_for
 
 CONFIG_FILE = "config.json"
@@ -79,7 +83,7 @@ def _weight_files(folder: Path) -> list[Path]:
 @torch.no_grad()
 def load_hf_model(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    impl: Impl = "auto",
+    impl: Impl = "auto", fp8_out: dict[str, tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[nn.Module, Any]:
     """Build the model an HF folder describes and load its weights. Returns (model, args).
 
@@ -87,11 +91,12 @@ def load_hf_model(
     when the model_type has one, else the generic transformers wrapper; "native" or "hf" force one.
 
     Every parameter ends up on `device` in `dtype` (checkpoint tensors are cast on copy).
-    Missing, unexpected or mis-shaped weights raise ValueError naming the key.
+    Missing, unexpected or mis-shaped weights raise ValueError naming the key. FP8 checkpoints:
+    see `load_hf_weights` (`fp8_out`).
     """
     model, args, adapter = build_hf_skeleton(path, impl, dtype)
     model = model.to_empty(device=device)
-    load_hf_weights(model, path, adapter)
+    load_hf_weights(model, path, adapter, fp8_out=fp8_out)
     return model, args
 
 
@@ -137,21 +142,44 @@ def _local_part(model: nn.Module, key: str, target: Tensor, tensor: Tensor) -> t
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any) -> None:
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any,
+                    fp8_out: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
     """Copy an HF folder's weights into `model` (plain, FSDP2-sharded or expert-parallel), one
     tensor at a time; each rank copies only its own shard. Checkpoint tensors are cast on copy.
 
     Missing, unexpected or mis-shaped weights raise ValueError naming the key; LoRA adapters
     (`lora_a`, `lora_b`: models/common/lora.py) are not in a base folder and stay as they are.
+    Block-scaled FP8 checkpoints (config.json quantization_config: quant_method "fp8" with a
+    square weight_block_size; `*.weight` in e4m3 beside its `*.weight_scale_inv`) load dequantised
+    (w8 x scale_inv per block, models/common/fp8.py) into the model's dtype; with `fp8_out` each
+    such weight's raw (e4m3 tensor, scale_inv) is also recorded under our key, for an FP8 engine to
+    take as it is.
     """
     folder = Path(path)
+    block = fp8_checkpoint_block(read_hf_config(folder))
+    if block is not None and block[0] != block[1]:
+        raise ValueError(f"{folder / CONFIG_FILE}: FP8 weight_block_size {list(block)} is not square (supported: "
+                         "[b, b], e.g. [128, 128])")
+    files = _weight_files(folder)
+    scales = _fp8_scales(files) if block is not None else {}
     # state_dict() tensors share storage with the parameters: copying into them loads the model.
     targets = model.state_dict()
     loaded: set[str] = set()
-    for file in _weight_files(folder):
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_key in f.keys():
-                for key, tensor in adapter.from_hf({hf_key: f.get_tensor(hf_key)}).items():
+                if block is not None and hf_key.endswith(("weight_scale_inv", "input_scale")):
+                    continue  # read with their weight / dynamic activation scales need none
+                tensor, raw = f.get_tensor(hf_key), None
+                if block is not None and tensor.dtype == FP8:
+                    if hf_key not in scales:
+                        raise ValueError(f"{file.name}: FP8 weight {hf_key!r} has no {hf_key}_scale_inv")
+                    raw = (tensor, scales[hf_key])
+                    tensor = dequantize_blocks(tensor, scales[hf_key], torch.float32, block[0])
+                mapped = adapter.from_hf({hf_key: tensor})
+                if raw is not None and fp8_out is not None and len(mapped) == 1 and block[0] == BLOCK:
+                    fp8_out[next(iter(mapped))] = raw
+                for key, tensor in mapped.items():
                     if key not in targets:
                         raise ValueError(f"{file.name}: weight {hf_key!r} has no place in the model")
                     dest, src = _local_part(model, key, targets[key], tensor)
@@ -163,6 +191,17 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, adapter: Any) -> 
     missing = sorted(k for k in targets.keys() - loaded if not is_lora_param(k))  # adapters: init_lora
     if missing:
         raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing}")
+
+
+def _fp8_scales(files: list[Path]) -> dict[str, Tensor]:
+    """{weight key: its scale_inv} of an FP8 checkpoint (scales are small; they may sit in another shard)."""
+    scales = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(".weight_scale_inv"):
+                    scales[key.removesuffix("_scale_inv")] = f.get_tensor(key)
+    return scales
 
 
 def _cpu_state_dict(model_or_state_dict: nn.Module | dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:

@@ -332,6 +332,15 @@ class InferenceConfig(Base):
     kv_cache_gib: float | None = Field(None, gt=0)
     """Native engine: a fixed KV-cache budget in GiB (at most what max_num_seqs full-length sequences
     need), instead of a fraction of the GPU's memory."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: the engine keeps its decoder linear weights in float8 e4m3 with 128x128 block scales and
+    multiplies on FP8 tensor cores (Hopper/Ada; elsewhere emulated, with a warning), quantising the
+    trainer's bf16 weights itself at every weight sync (docs/inference.md, FP8). vLLM backend: passed
+    as vLLM's quantization="fp8". Native engine: not with tensor_parallel > 1."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """fp8: the paged KV cache stores e4m3 keys and values with one scale per token and head (about half
+    the bytes); auto: the model dtype. Not for MLA latent caches (DeepSeek-V3, GLM-5). vLLM backend:
+    passed as vLLM's kv_cache_dtype="fp8"."""
     sleep_while_training: bool = False
     """Colocated layout, synchronous RL only (max_off_policy_steps = 0), native engine: the engine frees
     its KV cache and CUDA graphs while the trainer steps and takes them back for the next rollouts, so
@@ -344,6 +353,13 @@ class InferenceConfig(Base):
         if self.tensor_parallel > 1 and self.backend != "native":
             raise ValueError(f'inference.tensor_parallel ({self.tensor_parallel}) > 1 needs inference.backend = '
                              '"native": the vLLM adapter runs one GPU per replica')
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_tensor_parallel(self) -> "InferenceConfig":
+        if self.quantization == "fp8" and self.tensor_parallel > 1:
+            raise ValueError(f'inference.quantization = "fp8" is not supported with inference.tensor_parallel '
+                             f'({self.tensor_parallel}) > 1 yet: use one rank per replica or quantization = "none"')
         return self
 
     @model_validator(mode="after")

@@ -72,14 +72,16 @@ def load_tokenizer_for(cfg: ModelConfig):
     return build_char_tokenizer()
 
 
-def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, tokenizer=None):
+def build_policy(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, tokenizer=None,
+                 fp8_out: dict | None = None):
     """Return (model, args) on `device` in `dtype`: loaded from `cfg.path` or freshly initialised.
+    `fp8_out`: for an FP8 checkpoint, filled with its raw e4m3 weights (models/hf.py `load_hf_weights`).
 
     Every rank that calls this with the same config gets the same weights (the fresh init is
     seeded), which the trainer relies on before FSDP2 shards the model.
     """
     if cfg.path is not None:
-        return load_hf_model(cfg.path, device=device, dtype=dtype, impl=cfg.impl)
+        return load_hf_model(cfg.path, device=device, dtype=dtype, impl=cfg.impl, fp8_out=fp8_out)
     family = get_family(cfg.family)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(cfg)
     args = dataclasses.replace(family.flavors[cfg.flavor], vocab_size=len(tokenizer))

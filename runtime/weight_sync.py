@@ -30,6 +30,11 @@ one flat buffer of the whole model in the inference dtype that both processes ma
                 buffer into its parameters (laid out as views of one flat tensor in the same
                 order) -> "v copied"                              (`ColocatedReceiver.receive`)
 
+FP8 engines (inference.quantization = "fp8", models/common/fp8.py): the trainer still sends bf16;
+each receiver quantises the tensors of the engine's e4m3 linears on its own side, in place, as it
+copies (split: from each received bucket; colocated: straight from the shared buffer, so the engine
+keeps no bf16 copy), between two engine steps like any other copy.
+
 The buffer is never rewritten before the engine has copied the last version, and the engine
 never copies before the version is whole, so it never sees a half-written version; tokens record
 exact versions as in the split layout. A vLLM engine keeps its weights in its worker process:
@@ -53,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrl.models.common.fp8 import quantized_params
 from meshrl.models.common.lora import policy_parameters
 from meshrl.parallel import full_tensors
 from meshrl.parallel.tensor_parallel import full_shape, local_slice
@@ -119,9 +125,11 @@ def send_weights(model: nn.Module, group: dist.ProcessGroup | None, src: int, dt
 def receive_weights(model: nn.Module, group: dist.ProcessGroup, src: int, dtype: torch.dtype,
                     bucket_mb: float, device: torch.device) -> None:
     """Inference side: receive every bucket and copy it into `model`'s parameters in place
-    (a tensor-parallel model's sharded parameters take only their slice of the full tensor)."""
+    (a tensor-parallel model's sharded parameters take only their slice of the full tensor; an
+    FP8 engine's e4m3 weights are quantised from the received tensor, models/common/fp8.py)."""
     shapes = _shapes(model)
     params = [p for _, p in model.named_parameters()]
+    quantized = quantized_params(model)
     for bucket in bucket_plan(shapes, dtype.itemsize, bucket_mb):
         numel = sum(math.prod(shapes[i][1]) for i in bucket)
         flat = torch.empty(numel, dtype=dtype, device=device)
@@ -130,7 +138,11 @@ def receive_weights(model: nn.Module, group: dist.ProcessGroup, src: int, dtype:
         for i in bucket:
             name, shape = shapes[i]
             size = math.prod(shape)
-            params[i].copy_(local_slice(model, name, flat[offset:offset + size].view(shape)))
+            tensor = local_slice(model, name, flat[offset:offset + size].view(shape))
+            if i in quantized:
+                quantized[i].load_weight(tensor)
+            else:
+                params[i].copy_(tensor)
             offset += size
 
 
@@ -251,7 +263,9 @@ class ColocatedReceiver:
     like the trainer's buffer, so loading a version is one device copy. With `load` (an engine that
     keeps its weights elsewhere, such as vLLM's worker process), each version is handed to
     `load([(name, view of the trainer's buffer)])` instead, which must have copied what it needs
-    when it returns; `model` then only gives names and shapes (it may live on the meta device)."""
+    when it returns; `model` then only gives names and shapes (it may live on the meta device).
+    An FP8 engine (models/common/fp8.py) keeps no bf16 copy: its e4m3 weights are quantised
+    straight from the trainer's buffer, and only the other parameters are copied."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, peer: int,
                  to_peer: dist.ProcessGroup, from_peer: dist.ProcessGroup,
@@ -259,8 +273,10 @@ class ColocatedReceiver:
         self.entries, numel = flat_plan(model)
         self.names = [name for name, _ in model.named_parameters()]
         self.load = load
+        self.params = [p for _, p in model.named_parameters()]
+        self.quantized = quantized_params(model) if load is None else {}
         self.flat: torch.Tensor | None = None
-        if load is None:
+        if load is None and not self.quantized:
             self.flat = torch.empty(numel, dtype=dtype, device=device)
             with torch.no_grad():
                 for (offset, shape), param in zip(self.entries, model.parameters(), strict=True):
@@ -294,11 +310,17 @@ class ColocatedReceiver:
 
     @torch.no_grad()
     def _copy(self, version: int) -> None:
-        if self.load is None:
-            self.flat.copy_(self.buffer)
-        else:
+        if self.load is not None:
             self.load([(name, self.buffer[offset:offset + math.prod(shape)].view(shape))
                        for name, (offset, shape) in zip(self.names, self.entries, strict=True)])
+        elif self.flat is not None:
+            self.flat.copy_(self.buffer)
+        else:  # FP8 engine: quantise the linear weights out of the buffer, copy the rest
+            views = [self.buffer[o:o + math.prod(shape)].view(shape) for o, shape in self.entries]
+            plain = [i for i in range(len(views)) if i not in self.quantized]
+            torch._foreach_copy_([self.params[i] for i in plain], [views[i] for i in plain])
+            for i, module in self.quantized.items():
+                module.load_weight(views[i])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copied before the trainer may write again
         if self._signal is not None:

@@ -3,7 +3,7 @@
     meshrl bench engine [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
                         [--device cuda|cpu] [--no-hf] [--block-size 16] [--attention auto|torch|triton]
                         [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0] [--profile TRACE]
-                        [--stub]
+                        [--stub] [--quantization none|fp8] [--kv-cache-dtype auto|fp8]
 
 A model of the flavor (Qwen3 family by default) with random weights; `num_seqs` random prompts
 of `prompt_tokens` tokens, all submitted at once, each sampled (temperature 1, no truncation, no
@@ -24,6 +24,11 @@ With --stub, a stand-in with the flavor's vocabulary but one 16-wide attention h
 layers replaces the model: compute is negligible, so the run measures the engine's own cost per
 step (scheduling and bookkeeping on the host, copies, kernel launches, sampling over the full
 vocabulary). Its decode_step_ms against the real model's says how much of a step is the engine.
+
+--quantization fp8 keeps the decoder linears in FP8 (e4m3, 128x128 block scales) and
+--kv-cache-dtype fp8 the paged cache in e4m3 (docs/inference.md, FP8); the result then also
+carries weight_quantize_ms, the time to quantise the whole model's bf16 weights in place (what a
+weight sync adds on the engine's side).
 
 With --profile TRACE, a further run of the same shape is profiled (torch.profiler, host and
 device) over 20 of its pure decode steps: the top operators by self device time (CUDA) or self
@@ -209,6 +214,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="profile 20 decode steps of a further run: top ops to stderr, Chrome trace to TRACE")
     parser.add_argument("--stub", action="store_true",
                         help="a stand-in model of negligible compute (implies --no-hf): the engine's own cost per step")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="fp8: FP8 (e4m3, 128x128 block-scaled) decoder weights in the engine")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the paged KV cache in e4m3 with per-(token, head) scales")
     return parser
 
 
@@ -228,8 +237,27 @@ def _build(opts: argparse.Namespace, device: torch.device, flavor: str, dtype: t
     engine = NativeEngine(model, max_num_seqs=opts.num_seqs, max_model_len=max_model_len, device=device,
                           dtype=dtype, block_size=opts.block_size, num_blocks=opts.num_seqs * blocks_per_seq + 1,
                           max_num_batched_tokens=opts.max_num_batched_tokens, attention=opts.attention,
-                          cuda_graphs=device.type == "cuda" and not opts.no_cuda_graphs, seed=opts.seed)
+                          cuda_graphs=device.type == "cuda" and not opts.no_cuda_graphs, seed=opts.seed,
+                          quantization=opts.quantization, kv_cache_dtype=opts.kv_cache_dtype)
     return model, args, engine
+
+
+def time_weight_quantize(engine: NativeEngine, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Milliseconds to quantise every FP8 weight of the engine from bf16 tensors, in place (the
+    engine's share of a weight sync; the source is each weight dequantised, made once up front)."""
+    from meshrl.models.common.fp8 import Fp8Linear, dequantize_blocks
+
+    modules = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+    sources = [dequantize_blocks(m.weight, m.weight_scale_inv, dtype) for m in modules]
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(engine.device)
+        start = time.perf_counter()
+        for m, w in zip(modules, sources):
+            m.load_weight(w)
+        _sync(engine.device)
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
 
 
 def main(argv: list[str]) -> None:
@@ -262,12 +290,15 @@ def main(argv: list[str]) -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "num_seqs": opts.num_seqs, "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens,
         "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
+        "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype,
         "tokens_per_s": stats["tokens"] / stats["wall_s"],
         "time_to_first_token_s": stats["ttft_s"],
         "decode_step_ms": stats["decode_step_ms"],
         "peak_memory_gib": peak,
         "wall_s": stats["wall_s"],
     }
+    if opts.quantization == "fp8":
+        result["weight_quantize_ms"] = time_weight_quantize(engine, dtype)
     if opts.profile:
         profile_engine(engine, random_prompts(opts.num_seqs, opts.prompt_tokens, vocab, opts.seed + 2),
                        opts.gen_tokens, opts.seed + 2, opts.profile)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from meshrl.models.common import fp8
 from meshrl.parallel.tensor_parallel import check_tensor_parallel, shard_for_inference
 from meshrl.runtime.config import InferenceConfig, ModelConfig
 from meshrl.runtime.engine.api import InferenceEngine
@@ -38,22 +39,27 @@ def build_native_engine(inf: InferenceConfig, model_cfg: ModelConfig, device: to
     with `tp_group`, over this rank's shard of it, whose values are placeholders until the trainer's
     first weight broadcast (which every inference rank receives before serving anything).
     `kv_cache_bytes`: the KV-cache budget (default: inference.kv_cache_gib, else the fraction of
-    free memory)."""
+    free memory). An FP8 engine over an FP8 checkpoint takes the checkpoint's e4m3 weights and
+    scales as they are (128x128 blocks; other block sizes are re-quantised from the dequantised load)."""
     if kv_cache_bytes is None and inf.kv_cache_gib is not None:
         kv_cache_bytes = int(inf.kv_cache_gib * 2**30)
+    checkpoint_fp8: dict = {}  # an FP8 checkpoint's e4m3 weights, taken by an FP8 engine as they are
     if model is None and tp_group is None:
-        model, _ = build_policy(model_cfg, device, dtype)
+        model, _ = build_policy(model_cfg, device, dtype, fp8_out=checkpoint_fp8 if inf.quantization == "fp8" else None)
     elif model is None:
         model = policy_skeleton(model_cfg, dtype)[0]
         shard_for_inference(model, tp_group)
         model.to_empty(device=device)
         model.init_weights(seed=model_cfg.init_seed)  # finite values for the engine's probe forward
-    return NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
-                        dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
-                        kv_cache_memory_fraction=inf.kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes,
-                        max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
-                        cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
-                        seed=seed, tp_group=tp_group)
+    engine = NativeEngine(model, max_num_seqs=inf.max_num_seqs, max_model_len=inf.max_model_len, device=device,
+                          dtype=dtype, block_size=inf.block_size, num_blocks=inf.num_blocks,
+                          kv_cache_memory_fraction=inf.kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes,
+                          max_num_batched_tokens=inf.max_num_batched_tokens, prefix_sharing=inf.prefix_sharing,
+                          cuda_graphs=inf.cuda_graphs and device.type == "cuda", attention=inf.attention,
+                          seed=seed, tp_group=tp_group, quantization=inf.quantization, kv_cache_dtype=inf.kv_cache_dtype)
+    if checkpoint_fp8:
+        fp8.load_checkpoint_weights(engine.model, checkpoint_fp8)
+    return engine
 
 
 def check_tensor_parallel_model(inf: InferenceConfig, model_cfg: ModelConfig) -> None:

@@ -10,6 +10,10 @@ that row's cached keys, read straight from the paged cache by block table (no ga
     A tile may span several cache blocks: each key's block comes from the table, so the tile
     size does not depend on block_size.
 
+An FP8 cache (e4m3 keys and values with one fp32 scale per key and head) is read as e4m3 and
+widened in registers: the key scale multiplies the key's score, the value scale its softmax
+weight, so the products still run in q's dtype on tensor cores and the cache bytes halve.
+
 Decode is bound by reading the cache, so what matters is keeping enough loads in flight: big
 tiles (many keys per load) and enough programs to fill the SMs. With many rows (a full decode
 batch) one split per row suffices; with few rows and long contexts the key range is split
@@ -39,7 +43,51 @@ def triton_available() -> bool:
 def _kernels():
     """The Triton kernels (decode, merge, chunk_stats), defined and jitted on first use: importing
     this module never needs triton."""
-    return _decode_kernel(), _merge_kernel(), _chunk_stats_kernel()
+    return _decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _decode_fp8_kernel()
+
+
+def _fp8_write_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_write(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, T,
+                  stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                  stride_cs, stride_ch, stride_ss, stride_sh, D: tl.constexpr):
+        token = tl.program_id(0)  # b * T + t
+        head = tl.program_id(1)
+        b = token // T
+        t = token % T
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        d = tl.arange(0, D)
+        k = tl.load(k_ptr + b * stride_kb + head * stride_kh + t * stride_kt + d).to(tl.float32)
+        v = tl.load(v_ptr + b * stride_vb + head * stride_vh + t * stride_vt + d).to(tl.float32)
+        k_scale = tl.maximum(tl.max(tl.abs(k), axis=0), 1e-12) / 448.0
+        v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
+        dst = head * stride_ch + slot * stride_cs + d
+        tl.store(kc_ptr + dst, tl.clamp(k / k_scale, -448.0, 448.0).to(tl.float8e4nv))
+        tl.store(vc_ptr + dst, tl.clamp(v / v_scale, -448.0, 448.0).to(tl.float8e4nv))
+        tl.store(ks_ptr + head * stride_sh + slot * stride_ss, k_scale)
+        tl.store(vs_ptr + head * stride_sh + slot * stride_ss, v_scale)
+
+    return fp8_write
+
+
+def fp8_kv_write(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor,
+                 v_scales: Tensor) -> None:
+    """Quantise one layer's new k/v (B, Hkv, T, D) per (token, head) into an FP8 cache at the flat
+    slots (B * T,) and store their scales: one launch (the torch path is ~8 kernels per tensor).
+    Caches (num_blocks, bs, Hkv, D) e4m3 and scales (num_blocks, bs, Hkv) fp32, head-major views."""
+    kernel = _kernels()[3]
+    B, H, T, D = k.shape
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    bs = k_cache.shape[1]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(0) == bs * k_cache.stride(1)
+    assert k_scales.stride() == v_scales.stride() and k_scales.stride(0) == bs * k_scales.stride(1)
+    kernel[(B * T, H)](k, v, slots, k_cache, v_cache, k_scales, v_scales, T, k.stride(0), k.stride(1), k.stride(2),
+                       v.stride(0), v.stride(1), v.stride(2), k_cache.stride(1), k_cache.stride(2),
+                       k_scales.stride(1), k_scales.stride(2), D=D, num_warps=1)
 
 
 def _decode_kernel():
@@ -104,6 +152,82 @@ def _decode_kernel():
     return decode
 
 
+def _decode_fp8_kernel():
+    import triton
+    import triton.language
+
+    global tl
+    tl = triton.language  # what the module-level kernel below reads
+    return triton.jit(_paged_decode_fp8)
+
+
+# triton.language, bound by _decode_fp8_kernel on first use (importing this module never needs triton).
+# The FP8-cache variant of the decode kernel is a module-level function (the layout's size limit).
+tl = None
+
+
+def _paged_decode_fp8(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, ks_ptr, vs_ptr,
+                      stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb,
+                      stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_sb, stride_sp, stride_sh, scale, span,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                      D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * span
+    end = tl.minimum(tl.load(ctx_ptr + row), start + span)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    n = tl.arange(0, TILE)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None],
+                other=0.0)  # (G, D)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for i in range(0, tl.cdiv(end - start, TILE)):
+        t = start + i * TILE + n
+        t_mask = t < end
+        block = tl.load(table_ptr + row * stride_tb + t // BS, mask=t_mask, other=0).to(tl.int64)
+        offs = block[:, None] * stride_kb + (t % BS)[:, None] * stride_kp + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0)  # (TILE, D)
+        if FP8:  # e4m3 keys and values, one scale per key: widened in registers
+            s_offs = block * stride_sb + (t % BS) * stride_sp + kv_head * stride_sh
+            k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if FP8:  # the key's scale multiplies its score
+            s = s * tl.load(ks_ptr + s_offs, mask=t_mask, other=0.0)[None, :]
+        s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # (G, TILE)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if FP8:  # the value scale folds into the weights: sum_t p_t s_t v8_t
+            v = v.to(q.dtype)
+            p = p * tl.load(vs_ptr + s_offs, mask=t_mask, other=0.0)[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if SPLIT:
+        # Partial state of this key range: unnormalised output, running max and sum.
+        base = row * stride_mb + heads * stride_mh + split
+        tl.store(m_ptr + base, m, mask=g_mask)
+        tl.store(l_ptr + base, denom, mask=g_mask)
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], acc,
+                 mask=g_mask[:, None])
+    else:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
 def _merge_kernel():
     import triton
     import triton.language as tl
@@ -160,12 +284,15 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, context_lens: Tensor,
-                           splits: int | None = None) -> Tensor:
+                           splits: int | None = None, k_scales: Tensor | None = None,
+                           v_scales: Tensor | None = None) -> Tensor:
     """One new token per row over the paged cache. q (B, Hq, 1, D); k_cache/v_cache
     (num_blocks, block_size, Hkv, D); tables (B, nb) int32 covering every row's keys;
     context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D).
-    splits: key-range splits (default: `num_splits` of the batch and nb * block_size)."""
-    decode, merge, _ = _kernels()
+    splits: key-range splits (default: `num_splits` of the batch and nb * block_size).
+    An FP8 (e4m3) cache passes k_scales / v_scales (num_blocks, block_size, Hkv) fp32, one per
+    key: keys and values are read as e4m3 (half the bytes) and widened to q's dtype in registers."""
+    decode, merge, _, _, decode_fp8 = _kernels()
     B, num_q_heads, T, D = q.shape
     assert T == 1, "the decode kernel takes one token per row"
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -180,17 +307,22 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     common = dict(GROUP=group, GROUP_PAD=max(_MIN_GROUP_ROWS, 1 << (group - 1).bit_length()), BS=block_size,
                   TILE=TILE, D=D, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     args = (q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0))
+    kernel, scales, s_strides = decode, (), ()
+    if k_scales is not None:  # the e4m3 variant: the scales' pointers and strides join the arguments
+        assert k_scales.stride() == v_scales.stride()
+        kernel, scales, s_strides = decode_fp8, (k_scales, v_scales), k_scales.stride()
+        common["FP8"] = True
     if splits == 1:
-        decode[(B, num_kv_heads, 1)](q2, k_cache, v_cache, tables, context_lens, out, out, out,
-                                     *args, out.stride(0), out.stride(1), 0, 0, 0, D ** -0.5, span,
+        kernel[(B, num_kv_heads, 1)](q2, k_cache, v_cache, tables, context_lens, out, out, out, *scales,
+                                     *args, out.stride(0), out.stride(1), 0, 0, 0, *s_strides, D ** -0.5, span,
                                      SPLIT=False, **common)
         return out[:, :, None, :]
     part = torch.empty((B, num_q_heads, splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((B, num_q_heads, splits), dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    decode[(B, num_kv_heads, splits)](q2, k_cache, v_cache, tables, context_lens, part, m, denom,
+    kernel[(B, num_kv_heads, splits)](q2, k_cache, v_cache, tables, context_lens, part, m, denom, *scales,
                                       *args, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
-                                      D ** -0.5, span, SPLIT=True, **common)
+                                      *s_strides, D ** -0.5, span, SPLIT=True, **common)
     merge[(B, num_q_heads)](part, m, denom, out, part.stride(0), part.stride(1), part.stride(2), m.stride(0),
                             m.stride(1), out.stride(0), out.stride(1), S=splits,
                             S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D)

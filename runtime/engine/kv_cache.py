@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from meshrl.models.common.attention import attention_with_sinks, selected, window_mask
-from meshrl.runtime.engine.kernels import paged_decode_attention, triton_available  # noqa: F401 (re-exported)
+from meshrl.models.common.fp8 import FP8, quantize_rows
+from meshrl.runtime.engine.kernels import fp8_kv_write, paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
 
@@ -201,7 +202,9 @@ class BlockManager:
 
 
 class KVCache:
-    """The k/v storage of every attention layer, in the model dtype.
+    """The k/v storage of every attention layer, in the model dtype or (fp8=True) in e4m3 with one
+    fp32 scale per token, head and k/v in `scales` (n_layers, 2, Hkv, num_blocks, block_size):
+    writes quantise each new head vector on its own (`fp8.quantize_rows`), reads dequantise.
 
     Keys are (n_layers, Hkv, num_blocks, block_size, head_dim) and values (n_layers, Hkv,
     num_blocks, block_size, v_head_dim). When the two dims agree (every GQA family) both are views
@@ -216,25 +219,36 @@ class KVCache:
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, v_head_dim: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, v_head_dim: int | None = None, fp8: bool = False) -> None:
         self.index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.fp8 = fp8
         shape = (len(layer_ids), num_kv_heads, num_blocks, block_size)
         self.data: Tensor | None = None
+        self.scales: Tensor | None = None
+        if fp8 and self.v_head_dim != head_dim:
+            raise ValueError(f"inference.kv_cache_dtype = 'fp8' needs keys and values of one head dim; this model's "
+                             f"cache holds {'an MLA latent' if self.v_head_dim == 0 else 'values of another dim'} "
+                             f"(k {head_dim}, v {self.v_head_dim}): use kv_cache_dtype = 'auto'")
         if self.v_head_dim == head_dim:
-            self.data = torch.zeros((len(layer_ids), 2, *shape[1:], head_dim), dtype=dtype, device=device)
+            self.data = torch.zeros((len(layer_ids), 2, *shape[1:], head_dim), dtype=FP8 if fp8 else dtype,
+                                    device=device)
+            if fp8:  # one dequantisation scale per (layer, k or v, head, slot)
+                self.scales = torch.ones((len(layer_ids), 2, *shape[1:]), dtype=torch.float32, device=device)
         else:
             self._k = torch.zeros((*shape, head_dim), dtype=dtype, device=device)
             self._v = torch.zeros((*shape, self.v_head_dim), dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        v_head_dim: int | None = None) -> int:
+                        v_head_dim: int | None = None, fp8: bool = False) -> int:
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if fp8:  # e4m3 values and one fp32 scale per token, head and k/v
+            return num_layers * block_size * num_kv_heads * (head_dim + v_head_dim + 8)
         return num_layers * block_size * num_kv_heads * (head_dim + v_head_dim) * dtype.itemsize
 
     def _storage(self) -> tuple[Tensor, Tensor]:
@@ -256,10 +270,19 @@ class KVCache:
         k, v = self._storage()
         return k[i].permute(1, 2, 0, 3), v[i].permute(1, 2, 0, 3)
 
+    def layer_scales(self, layer_id: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
+        """FP8 cache: (k scales, v scales) of one layer, each a (num_blocks, block_size, Hkv) fp32 view
+        (x = x8 * scale per token and head); (None, None) for a cache in the model dtype."""
+        if self.scales is None:
+            return None, None
+        s = self.scales[self.index[layer_id]]
+        return s[0].permute(1, 2, 0), s[1].permute(1, 2, 0)
+
     def release(self) -> int:
         """Free the storage (a sleeping engine: runtime/engine/native.py `sleep`); returns the bytes
         freed. `restore` allocates it again, zeroed."""
-        tensors = {name: getattr(self, name) for name in (("data",) if self.data is not None else ("_k", "_v"))}
+        names = ("data",) if self.data is not None else ("_k", "_v")
+        tensors = {name: getattr(self, name) for name in names + (("scales",) if self.scales is not None else ())}
         self._released = {name: (tuple(t.shape), t.dtype, t.device) for name, t in tensors.items()}
         for name, t in tensors.items():
             setattr(self, name, t.new_empty(0))
@@ -282,7 +305,10 @@ class KVCache:
             s = torch.tensor(src, device=k.device)
             d = torch.tensor(dst, device=k.device)
             if self.data is not None:
-                self.data[:, :, :, d] = self.data[:, :, :, s]
+                data = self.data.view(torch.uint8) if self.fp8 else self.data  # fp8 indexing: as bytes
+                data[:, :, :, d] = data[:, :, :, s]
+                if self.scales is not None:
+                    self.scales[:, :, :, d] = self.scales[:, :, :, s]
             else:
                 for t in (self._k, self._v):
                     t[:, :, d] = t[:, :, s]
@@ -300,6 +326,15 @@ def gather_blocks(cache: Tensor, tables: Tensor) -> Tensor:
     num_kv_heads, (B, nb), bs, D = cache.shape[2], tables.shape, cache.shape[1], cache.shape[3]
     picked = torch.index_select(cache.permute(2, 0, 1, 3), 1, tables.reshape(-1))  # (Hkv, B * nb, bs, D)
     return picked.view(num_kv_heads, B, nb * bs, D)
+
+
+def gather_fp8_blocks(cache: Tensor, tables: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """`gather_blocks`, dequantised when the cache is e4m3 (scales (num_blocks, bs, Hkv)) -> (Hkv, B, L, D) in dtype."""
+    if scales is None:
+        return gather_blocks(cache, tables)
+    x8 = gather_blocks(cache.view(torch.uint8), tables).view(FP8)  # fp8 indexing: as bytes
+    s = scales.permute(2, 0, 1)[:, tables].flatten(2, 3)  # (Hkv, B, L)
+    return (x8.float() * s[..., None]).to(dtype)
 
 
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
@@ -333,14 +368,17 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | N
 
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                              positions: Tensor, window: int | None = None, sinks: Tensor | None = None) -> Tensor:
+                              positions: Tensor, window: int | None = None, sinks: Tensor | None = None,
+                              k_scales: Tensor | None = None, v_scales: Tensor | None = None) -> Tensor:
     """The torch backend. q (B, Hq, T, D) at positions (B, T); tables (B, nb) cover every position.
 
     Query at position p sees cached keys 0..p of its row (causal within the new tokens), with a
-    sliding `window` only p - window < key position; `sinks` as in `grouped_sdpa`.
+    sliding `window` only p - window < key position; `sinks` as in `grouped_sdpa`. An FP8 cache
+    passes its (num_blocks, block_size, Hkv) scales: the gathered keys and values are dequantised
+    to q's dtype.
     """
-    keys = gather_blocks(k_cache, tables)  # (Hkv, B, L, D)
-    values = gather_blocks(v_cache, tables)
+    keys = gather_fp8_blocks(k_cache, tables, k_scales, q.dtype)  # (Hkv, B, L, D)
+    values = gather_fp8_blocks(v_cache, tables, v_scales, q.dtype)
     key_pos = torch.arange(keys.shape[2], device=q.device)
     diff = positions[:, :, None] - key_pos[None, None, :]  # (B, T, L)
     mask = (diff >= 0) if window is None else (diff >= 0) & (diff < window)
@@ -368,7 +406,42 @@ def write_slots(cache: Tensor, slots: Tensor, x: Tensor) -> None:
     check_fits(cache, slots, x)
     _, _, num_kv_heads, head_dim = cache.shape
     storage = cache.permute(2, 0, 1, 3).view(num_kv_heads, -1, head_dim)  # (Hkv, num_blocks * bs, D)
-    storage.index_copy_(1, slots, x.transpose(0, 1).reshape(num_kv_heads, -1, head_dim))
+    x = x.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    if cache.dtype == FP8:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+        storage, x = storage.view(torch.uint8), x.view(torch.uint8)
+    storage.index_copy_(1, slots, x)
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def write_kv(cache: KVCache, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Store one layer's new k/v (B, Hkv, T, D) at the flat slots (B * T,), quantised (with their
+    scales) in an FP8 cache (one Triton launch on CUDA, else `write_fp8_torch`) -> that layer's
+    (k, v) cache views."""
+    k_cache, v_cache = cache.layer(layer_id)
+    check_fits(v_cache, slots, v)  # both checked before either is written
+    if cache.fp8 and k.is_cuda and triton_available() and _pow2(k.shape[-1]):
+        check_fits(k_cache, slots, k)
+        fp8_kv_write(k, v, slots, k_cache, v_cache, *cache.layer_scales(layer_id))
+    elif cache.fp8:
+        write_fp8_torch(cache, layer_id, slots, k, v)
+    else:
+        write_slots(k_cache, slots, k)
+        write_slots(v_cache, slots, v)
+    return k_cache, v_cache
+
+
+def write_fp8_torch(cache: KVCache, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """The FP8 cache write in torch ops: `fp8.quantize_rows` per (token, head), values and scales."""
+    k_cache, v_cache = cache.layer(layer_id)
+    k_scales, v_scales = cache.layer_scales(layer_id)
+    for x, dst, dst_scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        x8, scale = quantize_rows(x)  # (B, Hkv, T, D), (B, Hkv, T)
+        write_slots(dst, slots, x8)
+        dst_scales.permute(2, 0, 1).view(dst_scales.shape[2], -1).index_copy_(
+            1, slots, scale.transpose(0, 1).reshape(scale.shape[1], -1))
 
 
 class PagedAttention:
@@ -400,11 +473,8 @@ class PagedAttention:
         A sliding `window` or `sinks` (gpt-oss) take the torch path (the Triton kernel has neither);
         every block stays cached, the window is a mask.
         """
-        k_cache, v_cache = self.cache.layer(layer_id)
-        flat = self.slots.reshape(-1)
-        check_fits(v_cache, flat, v)  # both checked before either is written
-        write_slots(k_cache, flat, k)
-        write_slots(v_cache, flat, v)
+        k_cache, v_cache = write_kv(self.cache, layer_id, self.slots.reshape(-1), k, v)
+        k_scales, v_scales = self.cache.layer_scales(layer_id)
         plain = window is None and sinks is None
         if self.fresh and plain:
             # Right padding sits after every real token, so causal attention never reads it.
@@ -413,8 +483,10 @@ class PagedAttention:
             idx = torch.arange(q.shape[2], device=q.device)
             return attention_with_sinks(q, k, v, window_mask(idx, idx, window)[None, None], sinks)
         if self.backend == "triton" and plain:
-            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens)
-        return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions, window, sinks)
+            return paged_decode_attention(q, k_cache, v_cache, self.tables, self.context_lens, k_scales=k_scales,
+                                          v_scales=v_scales)
+        return paged_attention_reference(q, k_cache, v_cache, self.tables_long, self.positions, window, sinks,
+                                         k_scales, v_scales)
 
     def attend_latent(self, layer_id: int, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
                       wkv_b: Tensor, v_head_dim: int, index: tuple | None = None, keep: Tensor | None = None,

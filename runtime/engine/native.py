@@ -56,6 +56,12 @@ sample from then on record version v. The prefix cache is dropped on a version c
 request must not silently reuse keys computed by the old weights, and a sequence whose k/v
 predate the current version never registers its blocks.
 
+FP8 (quantization="fp8", models/common/fp8.py): the decoder blocks' linears become `Fp8Linear`
+modules (e4m3 weights, 128x128 block scales) right after the model is moved; weight sync then
+quantises each bf16 tensor it receives into them, in place, between steps (runtime/weight_sync.py),
+so a forward never sees two versions. kv_cache_dtype="fp8": the paged cache stores e4m3 keys and
+values with one scale per token and head (runtime/engine/kv_cache.py).
+
 Sampling and logprobs: runtime/engine/sampling.py (fp32 log_softmax(logits / temperature) over the
 full vocabulary; seeded counter-based draws independent of the batch).
 
@@ -78,6 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshrl.models.common import fp8
 from meshrl.runtime.engine.api import Completion, Request
 from meshrl.runtime.engine.kv_cache import BlockManager, KVCache, triton_available
 from meshrl.runtime.engine.recurrent_state import RecurrentStates
@@ -147,7 +154,9 @@ class NativeEngine:
         it can. detokenize: ids -> text, needed by requests with stop strings. seed: the engine's
         RNG for requests without a seed. tp_group: the ranks of a tensor-parallel replica (each
         passes its shard of the model and the same requests; the group's first rank's samples are
-        broadcast to the others every step).
+        broadcast to the others every step). quantization: "fp8" keeps the decoder blocks' linear
+        weights in e4m3 with 128x128 block scales (models/common/fp8.py). kv_cache_dtype: "fp8"
+        stores the paged cache in e4m3 with per-(token, head) scales; "auto" the model dtype.
 
     `scheduler` (runtime/engine/scheduler.py) and `runner` (runtime/engine/runner.py) are its parts.
     """
@@ -156,10 +165,8 @@ class NativeEngine:
         self,
         model: nn.Module,
         *,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
+        max_num_seqs: int, max_model_len: int,
+        device: torch.device | str, dtype: torch.dtype,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory_fraction: float = 0.85,
@@ -171,12 +178,14 @@ class NativeEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         seed: int = 0,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        quantization: Literal["none", "fp8"] = "none", kv_cache_dtype: Literal["auto", "fp8"] = "auto",
     ) -> None:
         _check_sizes(max_num_seqs, max_model_len, block_size, kv_cache_memory_fraction)
         self.device = _resolve_device(device)
         self.dtype = dtype
         _check_model_fits(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.kv_fp8 = _quantize(self.model, self.device, quantization, kv_cache_dtype, tp_group)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -246,7 +255,8 @@ class NativeEngine:
         sequence of max_model_len cannot fit. head_dims: (k head dim, v head dim)."""
         block_size = self.block_size
         head_dim, v_head_dim = head_dims
-        per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, self.dtype, v_head_dim)
+        per_block = KVCache.bytes_per_block(len(layer_ids), block_size, num_kv_heads, head_dim, self.dtype, v_head_dim,
+                                            self.kv_fp8)
         if num_blocks is None:
             # More blocks than max_num_seqs full-length sequences only lengthen the prefix cache's
             # memory: never take more by default (an engine for a small eval stays small).
@@ -263,7 +273,8 @@ class NativeEngine:
                 f"{self.max_blocks}: lower max_model_len, raise the KV-cache budget (kv_cache_memory_fraction, "
                 "gpu_memory_fraction, kv_cache_gib) / num_blocks, "
                 "or use a device with more memory")
-        return KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device, v_head_dim)
+        return KVCache(layer_ids, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device, v_head_dim,
+                       fp8=self.kv_fp8)
 
     # ------------------------------------------------------------------ public API
 
@@ -423,6 +434,20 @@ def _check_sizes(max_num_seqs: int, max_model_len: int, block_size: int, kv_cach
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not 0.0 < kv_cache_memory_fraction <= 1.0:
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
+
+
+def _quantize(model: nn.Module, device: torch.device, quantization: str, kv_cache_dtype: str, tp_group) -> bool:
+    """FP8 weights for quantization="fp8" (after the move to the device: .to(dtype) would cast e4m3
+    back) -> whether the KV cache is FP8; ValueError for an option the native engine does not run."""
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if quantization == "fp8" and tp_group is not None:
+        raise ValueError("quantization='fp8' is not supported with tensor parallelism yet (inference.tensor_parallel > 1)")
+    if quantization == "fp8":
+        fp8.quantize_model(model, device)
+    return kv_cache_dtype == "fp8"
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

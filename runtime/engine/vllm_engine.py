@@ -239,6 +239,7 @@ class VLLMEngine:
         tokenizer: str | os.PathLike | None = None,
         kv_cache_bytes: int | None = None,
         sleep_mode: bool = False,
+        quantization: str = "none", kv_cache_dtype: str = "auto",
     ) -> None:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
@@ -257,7 +258,7 @@ class VLLMEngine:
         self._live: dict[str, _Live] = {}
         engine_args = vllm.EngineArgs(**_engine_args(
             model_dir, tokenizer, dtype, seed, max_model_len, max_num_seqs, gpu_memory_utilization, enforce_eager,
-            kv_cache_bytes, sleep_mode))
+            kv_cache_bytes, sleep_mode), **_fp8_args(quantization, kv_cache_dtype))
         self._asleep = False
         with _engine_env(self.device):
             self._engine = vllm.LLMEngine.from_engine_args(engine_args)
@@ -420,6 +421,11 @@ class VLLMEngine:
             sample.finish_reason = _FINISH[out.finish_reason]
 
 
+def _fp8_args(quantization: str, kv_cache_dtype: str) -> dict[str, str]:
+    """inference.quantization / kv_cache_dtype as vLLM's own options (online FP8; docs/inference.md, FP8)."""
+    return {"kv_cache_dtype": kv_cache_dtype, **({"quantization": "fp8"} if quantization == "fp8" else {})}
+
+
 def _engine_args(model_dir, tokenizer, dtype: torch.dtype, seed: int, max_model_len: int, max_num_seqs: int,
                  gpu_memory_utilization: float, enforce_eager: bool, kv_cache_bytes: int | None,
                  sleep_mode: bool) -> dict[str, Any]:
@@ -485,4 +491,5 @@ def build_vllm_engine(cfg: Any, model_cfg: Any, device: torch.device, dtype: tor
     return VLLMEngine(model, adapter, path, device=device, dtype=dtype, max_num_seqs=cfg.max_num_seqs,
                       max_model_len=cfg.max_model_len, gpu_memory_utilization=utilization,
                       enforce_eager=cfg.vllm.enforce_eager, seed=seed, kv_cache_bytes=kv_cache_bytes,
-                      sleep_mode=cfg.sleep_while_training)
+                      sleep_mode=cfg.sleep_while_training, quantization=cfg.quantization,
+                      kv_cache_dtype=cfg.kv_cache_dtype)
