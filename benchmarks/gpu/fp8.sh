@@ -8,7 +8,8 @@
 #
 # Needs .whl/ (../shared/gpu-host/wheels.sh) carried along. Writes under $OUT (default ./out):
 # tests.txt, kernels.jsonl, engine.jsonl (one `meshrl bench engine` JSON line per run).
-# With FP8_COMPARE_VLLM=1 each engine run also passes `--compare vllm` (if the bench has it).
+# vLLM with quantization="fp8" is not in this script: `meshrl bench engine --compare vllm` runs the
+# workload matrix (runtime/engine/bench_matrix.py), which does not take --quantization yet.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -35,7 +36,7 @@ for part in $PARTS; do
             set -- $q
             timeout ${FP8_T_ENGINE:-300} python3 -m meshrl.runtime.cli bench engine --flavor "$flavor" --num-seqs "$n" \
               --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --no-hf --quantization "$1" --kv-cache-dtype "$2" \
-              ${FP8_COMPARE_VLLM:+--compare vllm} 2>>"$OUT/engine.err" | tail -1 | tee -a "$OUT/engine.jsonl"
+              2>>"$OUT/engine.err" | tail -1 | tee -a "$OUT/engine.jsonl"
           done
         done
       done ;;
