@@ -152,9 +152,12 @@ def main() -> None:
                    "--steps", str(opts.steps), "--prompts", str(opts.prompts), "--samples", str(opts.samples),
                    "--max-tokens", str(opts.max_tokens), "--lr", str(opts.lr),
                    *[f"--meshrl-arg={a}" for a in opts.meshrl_arg]]
-            line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
-                                  env=dict(os.environ, TOKENIZERS_PARALLELISM="false")).stdout.splitlines()[-1]
-            row = json.loads(line)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                  env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+            if proc.returncode != 0:
+                raise SystemExit(f"the {fw} run failed (exit {proc.returncode}); see {run_dir}/logs:\n"
+                                 f"{proc.stderr[-3000:]}")
+            row = json.loads(proc.stdout.splitlines()[-1])
             row["repeat"] = r
             results[fw].append(row)
             _emit(row, opts.out)
