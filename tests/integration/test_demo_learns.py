@@ -3,9 +3,12 @@
 The demo's two stages as examples/reverse_text/run.sh runs them (configs/reverse_text/sft.toml, then
 rl.toml from its checkpoint), each checkpoint evaluated by `meshrl eval` with
 configs/reverse_text/eval.toml on held-out words: RL must raise greedy exact-match pass@1 over the
-SFT checkpoint by MARGIN, and keep the answers' length ratio near 1 (the old difflib reward was
-raised by answering short). MARGIN is below the smallest gain of the three seeds measured for the
-README's table (examples/reverse_text/README.md, "Result").
+SFT checkpoint by EXACT_MARGIN and the held-out reward by REWARD_MARGIN, and keep the answers' length
+ratio near 1 (the old difflib reward was raised by answering short). The margins are below the
+smallest gains of the three seeds in the README's table (examples/reverse_text/README.md, "Result";
+2026-12-01): exact match +0.152, +0.012, +0.113 (seeds 0, 1, 2), reward +0.111, +0.040, +0.093,
+length ratio after RL 0.960-0.966. Seed 1's exact-match gain is the smallest and sets EXACT_MARGIN;
+this test runs seed 0.
 """
 
 import json
@@ -18,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs/reverse_text"
-MARGIN = float("nan")  # set from the three seeds below
+EXACT_MARGIN = 0.01  # worst seed: +0.012
+REWARD_MARGIN = 0.03  # worst seed: +0.040
 SEED = 0
 
 pytestmark = pytest.mark.slow
@@ -50,6 +54,6 @@ def test_rl_raises_held_out_exact_match(tmp_path):
     # pass@1 at threshold 1 is exact match: the lcs reward is 1 only for the exact answer
     assert after["pass@1"] == after[key + "exact"] and before["pass@1"] == before[key + "exact"]
     gain = after[key + "exact"] - before[key + "exact"]
-    assert gain >= MARGIN, (before[key + "exact"], after[key + "exact"])
-    assert after[key + "lcs"] > before[key + "lcs"]
+    assert gain >= EXACT_MARGIN, (before[key + "exact"], after[key + "exact"])
+    assert after[key + "lcs"] - before[key + "lcs"] >= REWARD_MARGIN, (before[key + "lcs"], after[key + "lcs"])
     assert 0.9 <= after[key + "length_ratio"] <= 1.1, after[key + "length_ratio"]
