@@ -47,15 +47,21 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 def document_starts(attn: Any, batch: int, seq: int, device: torch.device) -> Tensor:
     """(B, T) bool, True at the first token of each document of the rows that `attn` attends over.
 
-    Contexts with `doc_ids` (packed rows: sdpa, flex, varlen) give their documents; the plain
-    causal context (`doc_ids` absent, not context parallel) is one document per row. Context
-    parallelism splits a row's tokens over ranks, which a recurrence cannot follow: refused.
+    Contexts with `doc_ids` (packed rows: sdpa, split, flex, varlen) give their documents; the plain
+    `CausalAttention` is one document per row; any other context is refused. Context parallelism
+    splits a row's tokens over ranks, which a recurrence cannot follow: refused.
     """
+    from meshrl.models.common.attention import CausalAttention
+
     doc_ids = getattr(attn, "doc_ids", None)
     if doc_ids is None:
         if hasattr(attn, "doc_ids_full") or hasattr(attn, "local_index"):
             raise ValueError("linear-attention layers (Gated DeltaNet) do not support context parallelism "
                              "(trainer.parallel.cp must be 1)")
+        if not isinstance(attn, CausalAttention):
+            # A context that hides its documents would make the recurrences run across them.
+            raise ValueError(f"linear-attention layers need the documents of the rows: {type(attn).__name__} has "
+                             "no doc_ids (and is not CausalAttention)")
         starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
         starts[:, 0] = True
         return starts

@@ -181,7 +181,7 @@ def test_engine_states_survive_chunked_prefill_preemption_and_pad_rows(tmp_path)
 
 def test_context_parallel_is_refused(tmp_path):
     """Before launch (`check_model_source`, one line naming trainer.parallel.cp), and by the layer
-    itself under a context-parallel attention context."""
+    itself under a context-parallel attention context; so is a context without documents."""
     from meshrl.parallel.context_parallel import ContextParallelAttention
     from meshrl.runtime.config import ModelConfig
     from meshrl.runtime.policy import check_model_source
@@ -194,6 +194,13 @@ def test_context_parallel_is_refused(tmp_path):
     cp = ContextParallelAttention(torch.zeros(1, 8, dtype=torch.long), torch.arange(4))
     with pytest.raises(ValueError, match="context parallelism"):
         model(torch.zeros(1, 4, dtype=torch.long), positions(1, 4), cp)
+
+    class NoDocuments:  # a context that does not say where its rows' documents start
+        def attend(self, *args, **kwargs):
+            raise AssertionError("not reached: the first layer is a linear one")
+
+    with pytest.raises(ValueError, match="NoDocuments has no doc_ids"):
+        model(torch.zeros(1, 4, dtype=torch.long), positions(1, 4), NoDocuments())
 
 
 def test_flavors_and_config_round_trip():
