@@ -46,6 +46,7 @@ worker's parameters, runtime/engine/vllm_engine.py) instead of copying into its 
 from __future__ import annotations
 
 import base64
+import datetime
 import hashlib
 import math
 import os
@@ -255,6 +256,14 @@ class ColocatedSender:
         self.pending = None
 
     def close(self) -> None:
+        """Let the last "written" signal leave before the process may exit (a dropped isend of a
+        process that ends can be lost), then remove the buffer's name."""
+        if self._signal is not None:
+            try:
+                self._signal.wait(timeout=datetime.timedelta(seconds=30))
+            except RuntimeError:
+                pass  # the engine is gone (or stopping): nobody waits for the signal
+            self._signal = None
         SharedBuffer.unlink(self.descriptor)
 
 

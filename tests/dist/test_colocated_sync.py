@@ -83,6 +83,7 @@ def _out_of_order(rank, world_size):
         sender = ColocatedSender(model, torch.float32, torch.device("cpu"), lay.peer, lay.to_peer, lay.from_peer)
         sender.send(model, 0)
         sender.send(model, 1)
+        sender.close()  # v1's signal must leave before this process ends
     elif lay.role == "inference":
         receiver = ColocatedReceiver(make_model(seed=0), torch.float32, torch.device("cpu"), lay.peer, lay.to_peer,
                                      lay.from_peer)
