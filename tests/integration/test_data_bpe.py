@@ -20,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def meshrl(*args, timeout=400) -> None:

@@ -27,7 +27,7 @@ EXACT_MARGIN = 0.01  # worst seed: +0.012
 REWARD_MARGIN = 0.03  # worst seed: +0.040
 SEED = 0
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.integration.test_resume import meshrl, rows
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 CONFIG = """
 max_off_policy_steps = 0

@@ -31,7 +31,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("loss", sorted(CASES))
+# dppo (the default) runs by default; the other four are `pytest -m heavy`
+@pytest.mark.parametrize("loss", [loss if loss == "dppo" else pytest.param(loss, marks=pytest.mark.heavy)
+                                  for loss in sorted(CASES)])
 def test_loss_runs_on_policy(loss, tmp_path):
     run = tmp_path / "rl"
     config = tmp_path / "rl.toml"  # the reverse-text RL config on a fresh model instead of the warm start

@@ -174,6 +174,7 @@ def agent(nproc: int, addr: str, port: int, config: str, run: Path, *torchrun: s
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_agents_form_one_job_and_a_killed_rank_restarts_both(config, tmp_path):
     """Agents of 2 and 3 processes (the 2 first): one RL job of 5 ranks; a trainer rank of the
     second agent is killed after the checkpoint of step 2; both agents restart their ranks and
@@ -282,6 +283,7 @@ sys.exit(code or next((c if c > 0 else 128 - c for c in codes if c), 0))
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_slurm_template_relaunches_the_step_when_an_agent_is_killed(config, tmp_path):
     """torchrun/slurm.sbatch on 2 stub nodes with 2 "GPUs" each (CPU here): node 0 runs 3
     processes, node 1 runs 2; node 0's agent is SIGKILLed after the checkpoint of step 2, srun

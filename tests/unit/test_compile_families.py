@@ -22,7 +22,9 @@ from meshrl.runtime.train.logprob_head import LogprobHead
 from tests.dist.multirank import free_port
 from tests.family_checks import build_random
 
-FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss", "glm_moe_dsa", "qwen3_next"]
+# qwen3_next: inductor over the chunked delta rule takes many minutes on a 2-core CPU
+FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss", "glm_moe_dsa",
+            pytest.param("qwen3_next", marks=pytest.mark.heavy)]
 
 
 def _run(family: str, compile: bool):

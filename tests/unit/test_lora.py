@@ -178,6 +178,7 @@ def test_peft_round_trip_loads_our_adapter_on_the_transformers_model(tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_compiled_lora_blocks_match_eager():
     """torch.compile of every block (FSDP2 over a world of one, selective checkpointing) with LoRA:
