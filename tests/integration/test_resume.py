@@ -141,6 +141,7 @@ def ckpt_steps(run: Path) -> list[int]:
     return list_steps(run / "checkpoints")
 
 
+@pytest.mark.heavy  # ~5 min on a 2-core CPU; resharding is also covered by tests/unit/test_checkpoint.py
 def test_resume_on_fewer_trainer_ranks_over_a_corrupt_checkpoint(config, tmp_path, capsys):
     run = tmp_path / "run"
     meshrl("rl", "@", config, "--max-steps", "6", "--checkpoint.every", "2", "--layout.num-trainer-ranks", "2",
