@@ -46,10 +46,11 @@ def _run(family: str, compile: bool):
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_moe_blocks_match_eager(family):
+def test_compiled_moe_blocks_match_eager(family, monkeypatch):
     from torch._dynamo.utils import counters
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)  # not left behind for later tests (the CLI reads WORLD_SIZE)
     dist.init_process_group("gloo")
     try:
         counters.clear()

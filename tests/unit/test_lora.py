@@ -180,7 +180,7 @@ def test_peft_round_trip_loads_our_adapter_on_the_transformers_model(tmp_path, t
 @pytest.mark.slow
 @pytest.mark.heavy
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
-def test_compiled_lora_blocks_match_eager():
+def test_compiled_lora_blocks_match_eager(monkeypatch):
     """torch.compile of every block (FSDP2 over a world of one, selective checkpointing) with LoRA:
     no graph break, the same logprobs and adapter gradients as eager."""
     import os
@@ -207,7 +207,8 @@ def test_compiled_lora_blocks_match_eager():
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
         return out, grads
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)  # not left behind for later tests (the CLI reads WORLD_SIZE)
     dist.init_process_group("gloo")
     try:
         counters.clear()
