@@ -66,8 +66,13 @@ from meshrl.runtime.weight_sync import bucket_plan
 INSTALL_DOC = "docs/inference.md"
 # vLLM loads this class into its worker (engine argument worker_extension_cls) by qualified name.
 WORKER_EXTENSION = "meshrl.runtime.engine.vllm_engine.MeshrlWorkerExtension"
-# torchrun's variables: the vLLM worker forms its own world of one and must not see ours.
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torchrun's variables: the vLLM worker forms its own world of one and must not see ours. Every
+# TORCHELASTIC_* variable goes too: with TORCHELASTIC_USE_AGENT_STORE=True (set by torchrun) torch
+# makes the worker's tcp:// store a client of a server nobody starts, and vLLM hangs at start-up
+# for the store's 600 s timeout (seen on the H200, 2026-12-01).
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+_TORCHRUN_PREFIX = "TORCHELASTIC_"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -190,6 +195,7 @@ def _engine_env(device: torch.device) -> Iterator[None]:
     """
     changes: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     changes.update({var: None for var in _TORCHRUN_VARS})
+    changes.update({var: None for var in os.environ if var.startswith(_TORCHRUN_PREFIX)})
     if device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

@@ -114,7 +114,8 @@ class FakeLLMEngine:
     def __init__(self, engine_args):
         self.args = engine_args.kwargs
         self.env = {var: os.environ.get(var) for var in
-                    ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "RANK", "MASTER_PORT")}
+                    ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "RANK", "MASTER_PORT",
+                     "TORCHELASTIC_USE_AGENT_STORE")}
         module, name = self.args["worker_extension_cls"].rsplit(".", 1)
         extension = getattr(importlib.import_module(module), name)
         self.worker = type("FakeWorker", (extension,), {})()
@@ -218,6 +219,8 @@ def run_all(engine: VLLMEngine) -> list:
 def test_engine_args_and_environment(fake_vllm, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # torchrun sets it; left in place, the worker's store would wait for a server nobody starts
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     engine = make_engine(tmp_path, seed=7, gpu_memory_utilization=0.6, enforce_eager=True)
     args = engine._engine.args
     assert args["model"] == str(tmp_path)
@@ -232,9 +235,10 @@ def test_engine_args_and_environment(fake_vllm, tmp_path, monkeypatch):
     assert (args["gpu_memory_utilization"], args["enforce_eager"]) == (0.6, True)
     # while vLLM builds: in-process EngineCore, spawned worker, no torchrun variables
     assert engine._engine.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-                                  "RANK": None, "MASTER_PORT": None}
+                                  "RANK": None, "MASTER_PORT": None, "TORCHELASTIC_USE_AGENT_STORE": None}
     # and restored afterwards
     assert os.environ["RANK"] == "3" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 def test_sampling_params_mapping(fake_vllm, tmp_path):
