@@ -296,6 +296,11 @@ NEXT_FLAVORS: dict[str, Qwen3NextArgs] = {
 QWEN3_5_FLAVORS: dict[str, Qwen3_5Args] = {
     "debug": Qwen3_5Args(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, linear_k_heads=2,
                          linear_v_heads=4, linear_k_dim=16, linear_v_dim=16, hidden_dim=128, max_seq_len=2048),
+    # Benchmark shape, not a released model: Qwen3.5's layer conventions (3 Gated DeltaNet layers of
+    # 16 key / 16 value heads of 128, then one gated full-attention layer of 8 / 2 heads of 256,
+    # quarter rotary, tied vocabulary 248320) at 2B: hidden 2048, 24 layers, SwiGLU 6144.
+    "like-2B-24L": Qwen3_5Args(**_QWEN35, dim=2048, n_layers=24, n_heads=8, n_kv_heads=2, linear_v_heads=16,
+                               hidden_dim=6144, tie_embeddings=True),
     # Qwen3.5-27B's text decoder (hidden 5120, 64 layers, 24/4 heads, 48 value heads).
     "27B": Qwen3_5Args(**_QWEN35, dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, linear_v_heads=48,
                        hidden_dim=17408),

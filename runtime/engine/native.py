@@ -359,9 +359,10 @@ class NativeEngine:
         return finished
 
     def sleep(self) -> int:
-        """Free the KV cache and the captured CUDA graphs while no request is live (a colocated
-        engine in synchronous RL, so that the trainer can use the memory); returns the bytes freed.
-        The prefix cache goes with them. `wake` takes the cache back; graphs are captured again."""
+        """Free the KV cache, the linear-attention layers' recurrent states and the captured CUDA
+        graphs while no request is live (a colocated engine in synchronous RL, so that the trainer
+        can use the memory); returns the bytes freed. The prefix cache goes with them. `wake` takes
+        the cache and the states back; graphs are captured again."""
         if self.scheduler.live or self._pending_aborts:
             raise RuntimeError("the engine cannot sleep while requests are live")
         if self.asleep:
@@ -370,7 +371,7 @@ class NativeEngine:
             self._complete_decode(self._launched)
             self._launched = None
         self.blocks.clear_prefix_cache()
-        freed = self.kv.release()
+        freed = self.kv.release() + (self.states.release() if self.states is not None else 0)
         self.runner.drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -382,9 +383,12 @@ class NativeEngine:
         return self.kv.released
 
     def wake(self) -> None:
-        """Allocate the KV cache again after `sleep` (its contents are gone: every block is free)."""
+        """Allocate the KV cache and the recurrent states again after `sleep` (their contents are
+        gone: every block is free, every state slot zero)."""
         if self.asleep:
             self.kv.restore()
+            if self.states is not None:
+                self.states.restore()
 
     def check(self) -> None:
         """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and

@@ -40,6 +40,33 @@ class RecurrentStates:
         self.state = {i: torch.zeros((num_rows, *s), dtype=torch.float32, device=device)
                       for i, (_, s) in shapes.items()}
 
+    def release(self) -> int:
+        """Free every slot's storage (a sleeping engine: runtime/engine/native.py `sleep`); returns
+        the bytes freed. `restore` allocates the slots again, zeroed (no sequence is live then)."""
+        freed = 0
+        self._released = {}
+        for kind in ("conv", "state"):
+            slots = getattr(self, kind)
+            for layer_id, t in slots.items():
+                self._released[kind, layer_id] = (tuple(t.shape), t.dtype, t.device)
+                freed += t.numel() * t.element_size()
+                slots[layer_id] = t.new_empty(0)
+        return freed
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` freed the storage and `restore` has not allocated it again."""
+        return bool(getattr(self, "_released", None))
+
+    def nbytes(self) -> int:
+        """Bytes the slots hold now (0 while released)."""
+        return sum(t.numel() * t.element_size() for slots in (self.conv, self.state) for t in slots.values())
+
+    def restore(self) -> None:
+        for (kind, layer_id), (shape, dtype, device) in self._released.items():
+            getattr(self, kind)[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
+        self._released = {}
+
     @staticmethod
     def bytes_per_row(shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], dtype: torch.dtype) -> int:
         total = 0

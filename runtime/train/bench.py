@@ -15,15 +15,21 @@ step_s (median of the measured steps), and the settings.
 
 FLOPs per step (model FLOPs: recomputation by activation checkpointing is not counted):
 
-    6 * N_active * tokens  +  12 * n_layers * n_heads * head_dim * pairs
+    6 * N_active * tokens  +  sum over attention layers of 6 * n_heads * (qk_head_dim + v_head_dim) * pairs
+                           +  sum over linear-attention layers of 18 * Hv * Dk * Dv * tokens
 
 - N_active: parameters used by matmuls per token: every Linear weight, the LM head (V x dim,
   counted even when tied to the embedding, whose lookup is not a matmul), and for MoE layers
   the router plus top_k / num_experts of the expert weights. 6 = 2 (multiply-add) x 3
   (forward + backward w.r.t. activations and weights).
 - pairs: (query, key) pairs attention computes, causal within each document:
-  sum over documents of L * (L + 1) / 2. QK^T and PV cost 2 * head_dim FLOPs each per pair and
-  head in the forward, x3 for training.
+  sum over documents of L * (L + 1) / 2 (a sliding layer: at most `sliding_window` keys per
+  query). QK^T costs 2 * qk_head_dim and PV 2 * v_head_dim FLOPs per pair and head in the forward,
+  x3 for training (qk = v = head_dim for GQA; MLA: nope + rope and v_head_dim, the trainer's
+  expanded form; GLM-5's key selection is counted as dense causal attention).
+- linear-attention (Gated DeltaNet) layers: the delta-rule state update and read, ~6 * Dk * Dv
+  per token and value head in the forward, x3 for training (the chunked form's intra-chunk
+  products and the short conv are not counted).
 
 With `--lora-rank R` (docs/lora.md) the base is frozen and only the adapters train: the frozen
 matmuls cost 4 (forward + input gradients) instead of 6 per parameter and token, the adapters 6,
@@ -100,15 +106,50 @@ def active_matmul_params(model: nn.Module) -> int:
     return total
 
 
-def attention_pairs(seq_len: int, docs: int) -> int:
+def attention_pairs(seq_len: int, docs: int, window: int | None = None) -> int:
+    """(query, key) pairs of one row of `docs` equal documents, causal (within `window` keys if given)."""
     lengths = [seq_len // docs + (1 if i < seq_len % docs else 0) for i in range(docs)]
-    return sum(n * (n + 1) // 2 for n in lengths)
+    if window is None:
+        return sum(n * (n + 1) // 2 for n in lengths)
+    w = window  # the first w queries of a document see every earlier key, later ones w keys each
+    return sum(n * (n + 1) // 2 if n <= w else w * (w + 1) // 2 + (n - w) * w for n in lengths)
 
 
-def step_flops(args, n_active: int, tokens: int, pairs: int, n_adapter: int | None = None) -> float:
-    """Model FLOPs of one step (module docstring); `n_adapter`: LoRA's adapter parameters (None: full)."""
+def attention_layers(args) -> list[tuple[str, int, int, int]]:
+    """Each layer's attention for the FLOP count: ("full" | "sliding", query heads, q/k head dim,
+    v head dim) or ("linear", value heads, key head dim, value head dim) (Gated DeltaNet)."""
+    layer_types = tuple(getattr(args, "layer_types", ()) or ())
+    out = []
+    for i in range(args.n_layers):
+        kind = layer_types[i] if layer_types else "full_attention"
+        if kind == "linear_attention":
+            out.append(("linear", args.linear_v_heads, args.linear_k_dim, args.linear_v_dim))
+        elif hasattr(args, "qk_nope_head_dim"):  # MLA: q/k head dim nope + rope, v its own
+            out.append(("full", args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim))
+        else:
+            out.append(("sliding" if kind == "sliding_attention" else "full", args.n_heads, args.head_dim,
+                        args.head_dim))
+    return out
+
+
+def attention_flops(args, seq_len: int, docs: int, rows: int) -> float:
+    """Attention FLOPs of one training step over `rows` rows (module docstring): 6 x heads x
+    (q/k dim + v dim) per pair and layer; a linear layer 18 x value heads x Dk x Dv per token."""
+    total = 0.0
+    for kind, heads, dk, dv in attention_layers(args):
+        if kind == "linear":
+            total += 18.0 * heads * dk * dv * seq_len
+        else:
+            window = getattr(args, "sliding_window", None) if kind == "sliding" else None
+            total += 6.0 * heads * (dk + dv) * attention_pairs(seq_len, docs, window)
+    return total * rows
+
+
+def step_flops(n_active: int, tokens: int, attention: float, n_adapter: int | None = None) -> float:
+    """Model FLOPs of one step (module docstring); `attention`: `attention_flops` of the step's rows;
+    `n_adapter`: LoRA's adapter parameters (None: full fine-tuning)."""
     matmul = 6.0 * n_active if n_adapter is None else 4.0 * n_active + 6.0 * n_adapter
-    return matmul * tokens + 12.0 * args.n_layers * args.n_heads * args.head_dim * pairs
+    return matmul * tokens + attention
 
 
 def peak_flops(opts: argparse.Namespace, device: torch.device) -> float | None:
@@ -170,7 +211,7 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
     step_s = statistics.median(times)
     # a DTensor's numel is its global one: the adapters' parameter count over all ranks
     n_adapter = sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"]) if opts.lora_rank else None
-    flops = step_flops(args, n_active, tokens, opts.rows * dims.num_data_ranks * attention_pairs(opts.seq_len, opts.docs),
+    flops = step_flops(n_active, tokens, attention_flops(args, opts.seq_len, opts.docs, opts.rows * dims.num_data_ranks),
                        n_adapter)
     peak = peak_flops(opts, device)
     result = {

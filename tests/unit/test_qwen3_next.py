@@ -179,6 +179,42 @@ def test_engine_states_survive_chunked_prefill_preemption_and_pad_rows(tmp_path)
         assert (torch.tensor(c.logprobs) - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["3.5", "next"])
+def test_a_sleeping_engine_frees_the_recurrent_states_and_serves_the_same_after_waking(name):
+    """sleep() releases the KV cache and every linear layer's conv and delta-rule slots (storage
+    of 0 bytes while asleep); wake() re-creates them and generation after it equals an engine that
+    never slept (sampled, seeded, with emulated CUDA graphs, which sleep drops)."""
+    from meshrl.runtime.engine.api import Request, SamplingParams, generate
+    from tests.family_checks import make_engine
+    from tests.unit.test_engine import emulate_cuda_graphs
+
+    model = build(tiny(name), scale=4.0)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 4, 6)]
+
+    def batch(base: int) -> list:
+        return [Request(base + i, p, SamplingParams(temperature=1.0, max_tokens=10, seed=base + i))
+                for i, p in enumerate(prompts)]
+
+    def run(engine, sleep: bool) -> list:
+        out = [(c.token_ids, c.logprobs) for c in generate(engine, batch(0))]
+        if sleep:
+            held = engine.states.nbytes()
+            assert held > 0 and not engine.states.released
+            freed = engine.sleep()
+            assert engine.asleep and engine.states.released and engine.states.nbytes() == 0
+            assert all(t.numel() == 0 for t in (*engine.states.conv.values(), *engine.states.state.values()))
+            assert freed >= held + 1 and not engine.runner.graphs
+            engine.wake()
+            assert not engine.asleep and engine.states.nbytes() == held
+        return out + [(c.token_ids, c.logprobs) for c in generate(engine, batch(10))]
+
+    slept = emulate_cuda_graphs(make_engine(model))
+    awake = emulate_cuda_graphs(make_engine(model))
+    assert slept.states is not None
+    assert run(slept, sleep=True) == run(awake, sleep=False)
+
+
 def test_context_parallel_is_refused(tmp_path):
     """Before launch (`check_model_source`, one line naming trainer.parallel.cp), and by the layer
     itself under a context-parallel attention context; so is a context without documents."""
