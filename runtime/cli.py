@@ -27,7 +27,7 @@ commands:
   eval   evaluate a checkpoint on environments: mean reward, pass@k, per-environment metrics as
          JSON on stdout; results.json and samples.jsonl in output_dir
   bench  benchmarks: `meshrl bench rl @ cfg.toml` (synchronous vs asynchronous RL),
-         `meshrl bench engine [--flavor 0.6B] [--device cuda|cpu] [--no-hf] ...` (inference engine),
+         `meshrl bench engine [--family F] [--flavor 0.6B] [--device cuda|cpu] [--no-hf] ...` (engine),
          `meshrl bench trainer ...`, `meshrl bench checkpoint ...`
   plot   charts of a run: `meshrl plot RUN_DIR [--out DIR]` writes PNGs (default RUN_DIR/plots)
 

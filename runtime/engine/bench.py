@@ -1,11 +1,11 @@
 """`meshrl bench engine`: native engine throughput on a fixed synthetic workload, beside transformers.
 
-    meshrl bench engine [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
+    meshrl bench engine [--family qwen3] [--flavor 0.6B] [--num-seqs 256] [--prompt-tokens 64] [--gen-tokens 256]
                         [--device cuda|cpu] [--no-hf] [--block-size 16] [--attention auto|torch|triton]
                         [--no-cuda-graphs] [--max-num-batched-tokens N] [--seed 0] [--profile TRACE]
                         [--stub] [--quantization none|fp8] [--kv-cache-dtype auto|fp8]
 
-A model of the flavor (Qwen3 family by default) with random weights; `num_seqs` random prompts
+A model of the flavor (of any native family, `--family`; Qwen3 by default) with random weights; `num_seqs` random prompts
 of `prompt_tokens` tokens, all submitted at once, each sampled (temperature 1, no truncation, no
 stop token) for exactly `gen_tokens` tokens. The KV cache is sized to the workload. On CUDA one
 untimed run of the same shape (other prompts, so nothing comes from the prefix cache) captures the
@@ -58,14 +58,13 @@ from torch import nn
 
 from meshrl.models import get_family
 from meshrl.runtime.engine.api import Request, SamplingParams
+from meshrl.runtime.engine.bench_matrix import check_flavor, default_flavors
 from meshrl.runtime.engine.native import NativeEngine
 
 
 def flavor_args(family: str, flavor: str):
-    fam = get_family(family)
-    if flavor not in fam.flavors:
-        raise SystemExit(f"meshrl bench engine: unknown flavor {flavor!r} of {family} (known: {sorted(fam.flavors)})")
-    return fam.flavors[flavor]
+    check_flavor(family, flavor)  # SystemExit naming the families / flavors
+    return get_family(family).flavors[flavor]
 
 
 def build_model(family: str, flavor: str, device: torch.device, dtype: torch.dtype, seed: int):
@@ -197,8 +196,9 @@ def run_hf(model, args, prompts: list[list[int]], gen_tokens: int, device: torch
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl bench engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="qwen3")
-    parser.add_argument("--flavor", default=None, help="default: 0.6B on CUDA, tiny on CPU")
+    parser.add_argument("--family", default="qwen3", help="a native model family (meshrl.models.MODEL_FAMILIES)")
+    parser.add_argument("--flavor", default=None, help="a flavor of the family; default (qwen3) 0.6B on CUDA, tiny on "
+                                                       "CPU; other families: debug on CPU, required on CUDA")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=256)
@@ -270,7 +270,7 @@ def main(argv: list[str]) -> None:
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("meshrl bench engine: --device cuda but CUDA is not available")
-    flavor = opts.flavor or ("0.6B" if device.type == "cuda" else "tiny")
+    flavor = opts.flavor or default_flavors(opts.family, device, "0.6B")
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
     model, args, engine = _build(opts, device, flavor, dtype)

@@ -55,6 +55,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,8 +145,10 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0,
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
 
 
-def decode_floor(w: Workload, weight_bytes: int, kv_bytes_per_token: int, gbps: float | None) -> dict:
-    """floor_step_ms and floor_tokens_per_s of a workload (module docstring), or {} without a bandwidth."""
+def decode_floor(w: Workload, weight_bytes: int, kv_bytes_per_token: int, gbps: float | None,
+                 state_bytes_per_seq: int = 0) -> dict:
+    """floor_step_ms and floor_tokens_per_s of a workload (module docstring), or {} without a bandwidth.
+    state_bytes_per_seq: a sequence's linear-attention states, read and written once per decode step."""
     if not gbps:
         return {}
     env = len(w.turn_tokens[0]) if w.turn_tokens else 0
@@ -160,7 +163,8 @@ def decode_floor(w: Workload, weight_bytes: int, kv_bytes_per_token: int, gbps: 
     chain = max(w.max_tokens) * w.turns - w.turns
     width = (w.concurrency or len(w.prompts)) * w.n
     steps = max(chain, -(-(tokens - w.num_samples) // width), 1)
-    floor_s = (steps * weight_bytes + kv_tokens * kv_bytes_per_token) / (gbps * 1e9)
+    state = 2 * state_bytes_per_seq * (tokens - w.num_samples)  # every decode (sample, step) pair
+    floor_s = (steps * weight_bytes + kv_tokens * kv_bytes_per_token + state) / (gbps * 1e9)
     return {"floor_step_ms": 1e3 * floor_s / steps, "floor_tokens_per_s": tokens / floor_s, "floor_steps": steps}
 
 
@@ -268,7 +272,7 @@ def drive(driver: Any, w: Workload) -> dict:
             "decode_steps": decode_steps, "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1)}
 
 
-def warm_up(driver: Any, vocab_size: int, num_seqs: int = MAX_NUM_SEQS, max_tokens: int | None = None) -> None:
+def warm_up(driver: Any, vocab_size: int, num_seqs: int, max_tokens: int | None = None) -> None:
     """num_seqs prompts of 16 tokens; sample j runs for j + 1 tokens (or max_tokens), so the batch
     shrinks by one per step and every decode graph bucket is captured before any timed row."""
     prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
@@ -278,60 +282,83 @@ def warm_up(driver: Any, vocab_size: int, num_seqs: int = MAX_NUM_SEQS, max_toke
 # ----------------------------------------------------------------------------- one shape, one engine
 
 
-def model_bytes(family: str, flavor: str, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(weight bytes a decode step reads, KV bytes per token, vocabulary size) of a flavor, on meta.
-
-    A decode step reads every parameter except an untied input embedding (it gathers B rows)."""
+def weight_bytes(family: str, flavor: str, dtype: torch.dtype) -> int:
+    """Bytes of the weights a decode step reads: every parameter except an untied input embedding
+    (it gathers B rows), counted on the meta device."""
     from meshrl.models import get_family
-    from meshrl.runtime.engine.native import _Probe
 
     fam = get_family(family)
     with torch.device("meta"):
         model = fam.model_cls(fam.flavors[flavor])
-        probe = _Probe()
-        model.hidden(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), probe)
     numel = sum(p.numel() for p in model.parameters())
     emb = model.tok_embeddings.weight
     if model.output_weight is not emb:
         numel -= emb.numel()
-    kv = sum(heads * (k + v if v else k) for _, heads, k, v in probe.layers) * dtype.itemsize
-    return numel * dtype.itemsize, kv, model.output_weight.shape[0]
+    return numel * dtype.itemsize
 
 
-def run_native(spec: dict, emit) -> None:
-    """Every workload of spec through one native engine of spec's shape; emit(row) per workload."""
+def engine_sizes(engine: Any) -> dict:
+    """What one token's k/v (every attention layer; MLA: its latent) and one sequence's
+    linear-attention states take in a native engine, in bytes."""
+    kv = engine.kv
+    per_token = kv.bytes_per_block(len(kv.index), 1, kv.num_kv_heads, kv.head_dim, engine.dtype, kv.v_head_dim,
+                                   kv.fp8)
+    states = engine.states.nbytes() // engine.max_num_seqs if engine.states is not None else 0
+    return {"kv_bytes_per_token": per_token, "state_bytes_per_seq": states}
+
+
+def run_native(spec: dict, emit, sizes: dict) -> None:
+    """Every workload of spec through one native engine of spec's shape; emit(row) per workload.
+    With spec["model_dir"], the model is first written there for vLLM (bench_export.py). `sizes`
+    gets the engine's kv_bytes_per_token and state_bytes_per_seq before the first row."""
     from meshrl.models import get_family
     from meshrl.runtime.engine.native import NativeEngine
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     fam = get_family(spec["family"])
+    args = fam.flavors[spec["flavor"]]
     with torch.device("meta"):
-        model = fam.model_cls(fam.flavors[spec["flavor"]])
+        model = fam.model_cls(args)
     model.to_empty(device=device)
     model.init_weights(seed=spec["seed"])  # random weights, as runtime/engine/bench.py's
     model = model.to(dtype)
-    engine = NativeEngine(model, max_num_seqs=MAX_NUM_SEQS, max_model_len=spec["max_model_len"], device=device,
+    if spec.get("model_dir"):
+        from meshrl.runtime.engine.bench_export import export_for_vllm
+
+        start = time.perf_counter()
+        export_for_vllm(model, args, spec["model_dir"], dtype)
+        print(f"meshrl bench engine: wrote {spec['model_dir']} for vLLM in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = NativeEngine(model, max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], device=device,
                           dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
                           prefix_sharing=True,
                           cuda_graphs=device.type == "cuda", seed=spec["seed"])
     settings = {"prefix_sharing": True, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
-                "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": PREFILL_TOKENS, "block_size": engine.block_size,
+                "max_num_seqs": spec["max_num_seqs"], "max_num_batched_tokens": PREFILL_TOKENS,
+                "block_size": engine.block_size,
                 "max_model_len": spec["max_model_len"], "kv_cache_blocks": engine.kv.num_blocks,
                 "seeded_requests": True}
+    sizes.update(engine_sizes(engine))
+    settings.update(sizes)
     driver = NativeDriver(engine, spec["seed"])
     start = time.perf_counter()
     if device.type == "cuda":
-        warm_up(driver, engine.vocab_size)
+        warm_up(driver, engine.vocab_size, spec["max_num_seqs"])
     settings["warmup_s"] = round(time.perf_counter() - start, 2)
     for name in spec["workloads"]:
         w = make_workload(name, engine.vocab_size, spec["scale"], spec["seed"], spec["batch_scale"])
-        emit({"engine": "native", "workload": name, **drive(driver, w), "settings": settings})
+        row = {"engine": "native", "workload": name, **drive(driver, w), "settings": settings}
+        if device.type == "cuda":  # weights + KV cache + states + activations, since the engine was built
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        emit(row)
     engine.sleep()  # the KV cache and graphs go now: vLLM's child wants the memory next
 
 
-def _row(spec: dict, stats: dict, w: Workload, bytes_: tuple[int, int, int], gbps: float | None) -> dict:
+def _row(spec: dict, stats: dict, w: Workload, sizes: dict, gbps: float | None) -> dict:
     """A result line: the shape, the workload's sizes, the measurements and the floor."""
-    floor = decode_floor(w, bytes_[0], bytes_[1], gbps)
+    floor = decode_floor(w, sizes["weight_bytes"], sizes["kv_bytes_per_token"], gbps, sizes["state_bytes_per_seq"])
     row = {"family": spec["family"], "flavor": spec["flavor"], "dtype": spec["dtype"], "engine": stats.pop("engine"),
            "workload": w.name, "requests": len(w.prompts), "n": w.n, "turns": w.turns, "samples": w.num_samples,
            "concurrency": w.concurrency, **stats, **floor}
@@ -397,6 +424,8 @@ def vllm_settings(engine: Any, args: dict) -> dict:
     cfg = getattr(engine, "vllm_config", None)
     out = {k: args[k] for k in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "max_num_seqs",
                                 "max_model_len", "gpu_memory_utilization", "logprobs_mode", "load_format")}
+    if "language_model_only" in args:
+        out["language_model_only"] = args["language_model_only"]
     out["vllm_multiprocessing"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     out["seeded_requests"] = False
     if cfg is not None:
@@ -408,21 +437,49 @@ def vllm_settings(engine: Any, args: dict) -> dict:
     return out
 
 
+def vllm_engine_args(spec: dict, args: Any) -> dict:
+    """vLLM's EngineArgs for one shape: the folder the parent exported (spec["model_dir"], the
+    native engine's weights; module docstring), else random "dummy" weights from a config.json
+    alone; no tokenizer; vision-language folders (Qwen3.5) with their vision tower left out."""
+    folder = spec.get("model_dir")
+    if folder:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    else:
+        folder = tempfile.mkdtemp(prefix="meshrl-bench-vllm-")
+        config = args.to_hf_config(dtype=getattr(torch, spec["dtype"]))
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+    engine_args = dict(model=folder, skip_tokenizer_init=True, dtype=spec["dtype"], seed=spec["seed"],
+                       max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+                       gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9), enforce_eager=False,
+                       enable_prefix_caching=True, async_scheduling=True,
+                       load_format="safetensors" if spec.get("model_dir") else "dummy",
+                       logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True)
+    if "vision_config" in config:
+        engine_args["language_model_only"] = True
+    return engine_args
+
+
+def _check_architecture(vllm: Any, folder: str) -> None:
+    """Fail at once (not after minutes of start-up) when this vLLM has no class for the folder's model."""
+    registry = getattr(vllm, "ModelRegistry", None)
+    if registry is None:  # the unit tests' fake vLLM
+        return
+    archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    missing = [a for a in archs if a not in registry.get_supported_archs()]
+    if missing:
+        raise ValueError(f"vLLM {getattr(vllm, '__version__', '?')} has no model class {missing} ({folder}/config.json)")
+
+
 def run_vllm(spec: dict, emit) -> None:
-    """Every workload of spec through one vLLM engine of spec's shape (random "dummy" weights from a
-    config.json in a temporary folder, no tokenizer); emit(row) per workload."""
+    """Every workload of spec through one vLLM engine of spec's shape (`vllm_engine_args`);
+    emit(row) per workload."""
     import vllm
     from meshrl.models import get_family
 
     fam = get_family(spec["family"])
     args = fam.flavors[spec["flavor"]]
-    folder = tempfile.mkdtemp(prefix="meshrl-bench-vllm-")
-    (Path(folder) / "config.json").write_text(json.dumps(args.to_hf_config(dtype=getattr(torch, spec["dtype"]))))
-    engine_args = dict(model=folder, skip_tokenizer_init=True, dtype=spec["dtype"], seed=spec["seed"],
-                       max_model_len=spec["max_model_len"], max_num_seqs=MAX_NUM_SEQS,
-                       gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9), enforce_eager=False,
-                       enable_prefix_caching=True, async_scheduling=True, load_format="dummy",
-                       logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True)
+    engine_args = vllm_engine_args(spec, args)
+    _check_architecture(vllm, engine_args["model"])
     start = time.perf_counter()
     kwargs = {}
     try:
@@ -452,9 +509,10 @@ ROW_MARK = "MESHRL_BENCH_ROW "  # the child's result lines (vLLM logs to stdout 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshrl bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--compare", choices=["vllm"], default=None, help="also run every workload through vLLM")
-    p.add_argument("--family", default="qwen3")
-    p.add_argument("--flavors", default=None, help="comma-separated; default 0.6B,1.7B on CUDA, tiny on CPU "
-                                                   "(add 8B where memory allows)")
+    p.add_argument("--family", default="qwen3", help="a native model family (meshrl.models.MODEL_FAMILIES)")
+    p.add_argument("--flavors", default=None, help="comma-separated flavors of the family; default (qwen3) 0.6B,1.7B "
+                                                   "on CUDA (add 8B where memory allows), tiny on CPU; other "
+                                                   "families: debug on CPU, required on CUDA")
     p.add_argument("--workloads", default="all", help=f"comma-separated of {','.join(WORKLOADS)}, or all")
     p.add_argument("--out", default=None, help="also append the rows to this JSONL file")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and completion length")
@@ -464,6 +522,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the floor (default by name)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     p.add_argument("--vllm-timeout", type=float, default=420.0, help="seconds for one shape's vLLM child")
+    p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="rows of both engines")
+    p.add_argument("--export-dir", default=None, help="where the model folder for vLLM is written (a temporary "
+                                                      "folder inside it, removed after the shape; default: the "
+                                                      "system's temporary directory)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -482,25 +544,29 @@ def _spec(opts: argparse.Namespace, flavor: str, workloads: list[str], dtype: to
     blocks = max((w.concurrency or len(w.prompts)) * w.n * (max_model_len // 16) for w in made) + 1
     return {"family": opts.family, "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
             "device": opts.device, "seed": opts.seed, "scale": opts.scale, "batch_scale": opts.batch_scale,
-            "workloads": workloads,
+            "workloads": workloads, "max_num_seqs": opts.max_num_seqs,
             "max_model_len": max_model_len, "gpu_memory_utilization": opts.gpu_memory_utilization,
             "num_blocks": None if opts.device == "cuda" else 2 * blocks}
 
 
 def _run_vllm_child(spec: dict, timeout: float, emit) -> None:
     """One shape's vLLM rows from a child process; a failure becomes an error row, not an exit."""
+    import signal
+    import threading
+
     cmd = [sys.executable, "-m", MODULE, "--vllm-child", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    deadline = time.monotonic() + timeout
+    # its own process group: a timeout kills vLLM's engine-core process too, which holds the GPU
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+    timer = threading.Timer(timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
     assert proc.stdout is not None
     for line in proc.stdout:  # vLLM's own log lines pass through to stderr
         if line.startswith(ROW_MARK):
             emit(json.loads(line[len(ROW_MARK):]))
         else:
             print(line, end="", file=sys.stderr, flush=True)
-        if time.monotonic() > deadline:
-            proc.kill()
     code = proc.wait()
+    timer.cancel()
     if code != 0:
         emit({"engine": "vllm", "error": f"the vLLM child exited with {code} (timeout {timeout:.0f} s); "
                                          "its log is above on stderr"})
@@ -515,7 +581,7 @@ def main(argv: list[str]) -> None:
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"meshrl bench engine: unknown workload(s) {unknown} (known: {', '.join(WORKLOADS)})")
-    flavors = (opts.flavors or ("0.6B,1.7B" if device.type == "cuda" else "tiny")).split(",")
+    flavors = (opts.flavors or default_flavors(opts.family, device, "0.6B,1.7B")).split(",")
     dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     compare = opts.compare == "vllm"
     if compare and not vllm_installed():
@@ -525,27 +591,79 @@ def main(argv: list[str]) -> None:
     gbps = _bandwidth(opts, device)
     out = open(opts.out, "a") if opts.out else None
     for flavor in flavors:
-        bytes_ = model_bytes(opts.family, flavor, dtype)
-        spec = _spec(opts, flavor, workloads, dtype, bytes_[2])
+        check_flavor(opts.family, flavor)
+        vocab = flavor_vocab(opts.family, flavor)
+        spec = _spec(opts, flavor, workloads, dtype, vocab)
+        sizes = {"weight_bytes": weight_bytes(opts.family, flavor, dtype)}
 
         def emit(stats: dict) -> None:
             if "error" in stats:
                 row = {"family": spec["family"], "flavor": flavor, **stats}
             else:
-                w = make_workload(stats["workload"], bytes_[2], spec["scale"], spec["seed"], spec["batch_scale"])
-                row = _row(spec, dict(stats, device=_device_name(device), hbm_gbps=gbps), w, bytes_, gbps)
+                w = make_workload(stats["workload"], vocab, spec["scale"], spec["seed"], spec["batch_scale"])
+                row = _row(spec, dict(stats, device=_device_name(device), hbm_gbps=gbps), w, sizes, gbps)
             line = json.dumps(row)
             print(line, flush=True)
             if out is not None:
                 out.write(line + "\n")
                 out.flush()
 
-        run_native(spec, emit)
-        _free(device)
-        if compare:
-            _run_vllm_child(spec, opts.vllm_timeout, emit)
+        export = tempfile.mkdtemp(prefix="meshrl-bench-vllm-", dir=opts.export_dir) if compare else None
+        try:
+            if export:
+                spec["model_dir"] = f"{export}/model"
+            run_native(spec, emit, sizes)
+            _free(device)
+            if compare:
+                _run_vllm_child(spec, opts.vllm_timeout, emit)
+        finally:
+            if export:
+                shutil.rmtree(export, ignore_errors=True)
     if out is not None:
         out.close()
+
+
+def usage_error(message: str) -> None:
+    """One line on stderr, exit status 2 (argparse's for a bad argument)."""
+    print(f"meshrl bench engine: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_family(family: str) -> None:
+    """SystemExit naming the native families unless `family` is one."""
+    from meshrl.models import MODEL_FAMILIES
+
+    if family not in MODEL_FAMILIES:
+        usage_error(f"--family {family!r} is not a native model family (known: {', '.join(sorted(MODEL_FAMILIES))})")
+
+
+def check_flavor(family: str, flavor: str) -> None:
+    """SystemExit naming the family's flavors unless `flavor` is one."""
+    from meshrl.models import get_family
+
+    check_family(family)
+    flavors = get_family(family).flavors
+    if flavor not in flavors:
+        usage_error(f"unknown flavor {flavor!r} of {family} (known: {', '.join(flavors)})")
+
+
+def default_flavors(family: str, device: torch.device, qwen3_cuda: str) -> str:
+    """The flavor(s) when none is named: Qwen3's `qwen3_cuda` on CUDA and tiny on CPU, another
+    family's debug on CPU; on CUDA another family needs one named (SystemExit)."""
+    check_family(family)
+    if family == "qwen3":
+        return qwen3_cuda if device.type == "cuda" else "tiny"
+    if device.type == "cuda":
+        from meshrl.models import get_family
+
+        usage_error(f"name the flavor(s) of {family} to run on CUDA (known: {', '.join(get_family(family).flavors)})")
+    return "debug"
+
+
+def flavor_vocab(family: str, flavor: str) -> int:
+    from meshrl.models import get_family
+
+    return get_family(family).flavors[flavor].vocab_size
 
 
 def vllm_installed() -> bool:

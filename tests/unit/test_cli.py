@@ -52,7 +52,7 @@ def test_plot_and_bench_help_and_unknown_commands(capsys):
     code, out, _ = _run(["bench", "--help"], capsys)
     assert code == 0 and "meshrl bench rl @ cfg.toml" in out
     code, out, _ = _run(["bench", "engine", "--help"], capsys)
-    assert code == 0 and "meshrl bench engine [--flavor 0.6B]" in out
+    assert code == 0 and "meshrl bench engine [--family qwen3] [--flavor 0.6B]" in out
     code, _, err = _run(["rll"], capsys)
     assert code == 2 and "unknown command 'rll'; did you mean 'rl'?" in err
 

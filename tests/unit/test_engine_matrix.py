@@ -91,7 +91,8 @@ def test_vllm_side_against_the_fake(fake_vllm, monkeypatch, capsys):  # noqa: F8
 
     monkeypatch.setattr(fake_vllm, "LLMEngine", MatrixFake)
     spec = {"family": "qwen3", "flavor": "debug", "dtype": "float32", "device": "cpu", "seed": 0, "scale": 0.01,
-            "batch_scale": 0.04, "workloads": ["plain_8", "grpo", "multiturn", "refill"], "max_model_len": 96}
+            "batch_scale": 0.04, "workloads": ["plain_8", "grpo", "multiturn", "refill"], "max_model_len": 96,
+            "max_num_seqs": 512}
     rows = []
     bm.run_vllm(spec, rows.append)
     assert [r["workload"] for r in rows] == spec["workloads"]
