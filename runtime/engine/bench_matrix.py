@@ -24,13 +24,19 @@ Per model shape, one native engine and one vLLM engine serve every workload (vLL
 and its "mp" executor can re-import the main module), which prints its rows as JSON lines that
 this process forwards. Without vLLM installed the native engine runs alone and one line says so.
 
-Settings. Native: prefix sharing on, CUDA graphs on CUDA, every request seeded (its sampler is
+Models: any native family (`--family`, its `--flavors`), random weights. With `--compare vllm`
+this process writes the native model's weights as an HF folder (runtime/engine/bench_export.py:
+models/hf.py's exporter, Qwen3.5 in the vision-language layout vLLM 0.26 serves) that the vLLM
+child loads, so both engines run the very same model; the folder is removed after the shape.
+
+Settings. Native: prefix sharing on (off for linear-attention models, which cannot share
+prefixes), CUDA graphs on CUDA, every request seeded (its sampler is
 counter-based, seeds cost nothing). vLLM, its best fair settings: prefix caching on (the grpo,
 multiturn and long_4k rows share prefixes; the others have no hits to find), async scheduling,
 CUDA graphs + torch.compile (enforce_eager off), `logprobs=0` with processed logprobs (the
 engine protocol's contract), DELTA outputs, no per-request seeds (vLLM samples seeded requests on
 a slower path), its LLM-class defaults otherwise (max_num_batched_tokens; the native engine gets
-the same prefill budget). Both: max_num_seqs 512, one max_model_len for every row, the prefix
+the same prefill budget). Both: max_num_seqs 512 (`--max-num-seqs`), one max_model_len for every row, the prefix
 cache reset between rows. Each row's `settings` field logs what was used.
 
 One JSON line per (shape, workload, engine):
@@ -39,13 +45,16 @@ One JSON line per (shape, workload, engine):
 - ttft_s: mean over samples of the time from their request's submission to their first token;
 - decode_step_ms: mean wall time of the steps that gave no sample its first token (and, native,
   computed no prompt tokens): decode steps of whatever batch was running;
-- floor_step_ms: the HBM floor of a decode step: (weight bytes + KV bytes read) / bandwidth, the
-  KV bytes being every decoding sample's whole context (prefixes shared between samples counted
-  once per sample, as paged kernels read them), averaged over the fewest decode steps the
-  workload allows (its longest chain of dependent tokens, or its tokens / its concurrency);
+- floor_step_ms: the HBM floor of a decode step: (weight bytes + KV bytes read + linear-attention
+  states read and written) / bandwidth, the KV bytes being every decoding sample's whole context
+  (prefixes shared between samples counted once per sample, as paged kernels read them; MLA: its
+  latent), averaged over the fewest decode steps the workload allows (its longest chain of
+  dependent tokens, or its tokens / its concurrency);
 - floor_tokens_per_s = tokens / (those steps x floor_step_ms); wall_vs_floor and
   step_vs_floor: measured over floor (1.0 = at the floor). Prefill is not in the floor.
-  Bandwidth by device name (H200 4.8 TB/s, H100 3.35, A100 2.0) or `--hbm-gbps`; none on CPU.
+  Bandwidth by device name (H200 4.8 TB/s, H100 3.35, A100 2.0) or `--hbm-gbps`; none on CPU;
+- native rows on CUDA: peak_memory_gib (allocated since the engine was built: weights, KV cache,
+  states, activations); their settings carry kv_bytes_per_token and state_bytes_per_seq.
 """
 
 from __future__ import annotations
@@ -335,7 +344,7 @@ def run_native(spec: dict, emit, sizes: dict) -> None:
                           dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
                           prefix_sharing=True,
                           cuda_graphs=device.type == "cuda", seed=spec["seed"])
-    settings = {"prefix_sharing": True, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
+    settings = {"prefix_sharing": engine.prefix_sharing, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
                 "max_num_seqs": spec["max_num_seqs"], "max_num_batched_tokens": PREFILL_TOKENS,
                 "block_size": engine.block_size,
                 "max_model_len": spec["max_model_len"], "kv_cache_blocks": engine.kv.num_blocks,
