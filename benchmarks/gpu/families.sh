@@ -10,7 +10,8 @@
 #   vllm    meshrl bench engine --compare vllm (plain_256 through the native engine and through
 #           vLLM, which loads the native engine's weights as an HF folder; only where vLLM imports)
 # Every command runs under `timeout -k 5`, capped by what is left of FAMILIES_BUDGET (540 s from the
-# start of this script): a shape that would not fit is skipped and says so. Written as they come:
+# start of this script; the vLLM part shares what is left equally among its shapes): a command
+# that would get under 20 s is skipped and says so. FAMILIES_ONLY=glm4_moe,qwen3_5 picks shapes. Written as they come:
 #   $OUT/families.jsonl    one JSON line per result (the command's own, plus part/family/flavor/rc)
 #   $OUT/families.status   one line per command: part family flavor rc seconds
 #   $OUT/<part>_<family>.out / .log   each command's stdout / stderr; $OUT/gpu.txt
@@ -51,6 +52,11 @@ else
   CAP_TRAIN=100; CAP_ENGINE=100; CAP_VLLM=220
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 fi
+if [ -n "${FAMILIES_ONLY:-}" ]; then  # e.g. FAMILIES_ONLY=qwen3_5: these families' shapes only
+  picked=()
+  for shape in "${SHAPES[@]}"; do case ",$FAMILIES_ONLY," in *",${shape%% *},"*) picked+=("$shape") ;; esac; done
+  SHAPES=("${picked[@]}")
+fi
 
 "$PY" -c "import meshrl.runtime.engine.bench_matrix" 2>/dev/null \
   || "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
@@ -67,19 +73,21 @@ fi
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
-# run PART FAMILY FLAVOR CAP -- bench args...: one command under timeout; its JSON lines, tagged, into
+# run PART FAMILY FLAVOR CAP SHARE -- bench args...: one command under timeout; its JSON lines, tagged, into
 # families.jsonl; RC = its exit status (skip: not run for want of budget)
 RC=0
 run() {
-  local part=$1 family=$2 flavor=$3 cap=$4; shift 5
-  local t; t=$(left); t=$(( t - 5 < cap ? t - 5 : cap ))
+  local part=$1 family=$2 flavor=$3 cap=$4 share=$5; shift 6
+  # at most CAP, and at most 1/SHARE of what is left (SHARE: commands still to run, this one included)
+  local t; t=$(( ($(left) - 5) / share )); t=$(( t < cap ? t : cap ))
   local name="${part}_${family}" begin rc
   if [ "$t" -lt 20 ]; then
     echo "$part $family $flavor skipped (budget: $(left) s left)" | tee -a "$OUT/families.status"
     RC=skip
     return
   fi
-  [ "$part" = vllm ] && set -- "$@" --vllm-timeout $(( t > 120 ? t - 60 : t / 2 ))
+  # the native engine's side comes first (build, export, warm-up, rows: ~40-60 s on the H200)
+  [ "$part" = vllm ] && set -- "$@" --vllm-timeout $(( t > 120 ? t - 55 : t / 2 ))
   begin=$(date +%s)
   timeout -k 5 "$t" "$PY" -m meshrl.runtime.cli bench "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
   rc=$?
@@ -97,9 +105,9 @@ PY
 for shape in "${SHAPES[@]}"; do
   set -- $shape; family=$1; flavor=$2
   case ",$PARTS," in *,train,*)
-    run train "$family" "$flavor" $CAP_TRAIN -- trainer --family "$family" --flavor "$flavor" "${TRAIN[@]}"
+    run train "$family" "$flavor" $CAP_TRAIN 1 -- trainer --family "$family" --flavor "$flavor" "${TRAIN[@]}"
     case "$RC" in 0|124|137|skip) ;;  # a crash (out of memory, most likely): once more, recomputing activations
-      *) run train "$family" "$flavor" $CAP_TRAIN -- trainer --family "$family" --flavor "$flavor" "${TRAIN[@]}" \
+      *) run train "$family" "$flavor" $CAP_TRAIN 1 -- trainer --family "$family" --flavor "$flavor" "${TRAIN[@]}" \
            --ac full ;;
     esac ;;
   esac
@@ -107,21 +115,23 @@ done
 for shape in "${SHAPES[@]}"; do
   set -- $shape; family=$1; flavor=$2
   case ",$PARTS," in *,engine,*)
-    run engine "$family" "$flavor" $CAP_ENGINE -- engine --family "$family" --flavor "$flavor" "${ENGINE[@]}" ;;
+    run engine "$family" "$flavor" $CAP_ENGINE 1 -- engine --family "$family" --flavor "$flavor" "${ENGINE[@]}" ;;
   esac
 done
+todo=${#SHAPES[@]}
 for shape in "${SHAPES[@]}"; do
   set -- $shape; family=$1; flavor=$2
   case ",$PARTS," in *,vllm,*)
     # without vLLM the matrix would only repeat the native engine: skipped on the GPU host; the
     # CPU smoke run still drives the command (it says vLLM is missing and runs the native rows)
     if [ "$HAVE_VLLM" = 1 ] || [ "$TINY" = 1 ]; then
-      run vllm "$family" "$flavor" $CAP_VLLM -- engine --compare vllm --family "$family" --flavors "$flavor" \
+      run vllm "$family" "$flavor" $CAP_VLLM $todo -- engine --compare vllm --family "$family" --flavors "$flavor" \
         "${MATRIX[@]}" --export-dir "$EXPORT_DIR"
     else
       echo "vllm $family $flavor skipped (vllm is not importable)" | tee -a "$OUT/families.status"
     fi ;;
   esac
+  todo=$(( todo - 1 ))
 done
 
 # A short table on stdout.

@@ -563,19 +563,34 @@ def _run_vllm_child(spec: dict, timeout: float, emit) -> None:
     import signal
     import threading
 
+    def kill() -> None:  # the whole group: also what the child left behind when it exited
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing of it is left
+            pass
+
+    def terminated(signum, frame) -> None:  # `timeout` stopping this process: the child goes too
+        raise SystemExit(128 + signum)
+
     cmd = [sys.executable, "-m", MODULE, "--vllm-child", json.dumps(spec)]
-    # its own process group: a timeout kills vLLM's engine-core process too, which holds the GPU
+    # its own process group, killed as a whole (on timeout, or when this process is terminated):
+    # vLLM's engine-core process holds the GPU and must not outlive the benchmark
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
-    timer = threading.Timer(timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+    timer = threading.Timer(timeout, kill)
     timer.start()
-    assert proc.stdout is not None
-    for line in proc.stdout:  # vLLM's own log lines pass through to stderr
-        if line.startswith(ROW_MARK):
-            emit(json.loads(line[len(ROW_MARK):]))
-        else:
-            print(line, end="", file=sys.stderr, flush=True)
-    code = proc.wait()
-    timer.cancel()
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # vLLM's own log lines pass through to stderr
+            if line.startswith(ROW_MARK):
+                emit(json.loads(line[len(ROW_MARK):]))
+            else:
+                print(line, end="", file=sys.stderr, flush=True)
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        kill()
+        signal.signal(signal.SIGTERM, previous)
     if code != 0:
         emit({"engine": "vllm", "error": f"the vLLM child exited with {code} (timeout {timeout:.0f} s); "
                                          "its log is above on stderr"})
