@@ -197,7 +197,7 @@ FLAVORS: dict[str, DeepseekV3Args] = {
     # Benchmark shape, not a released model: DeepSeek-V3's layers unchanged (dim 7168, 128 MLA heads:
     # q LoRA 1536, latent 512, nope 128 / rope 64 / v 128, YaRN; dense layer 0 of 18432; MoE of
     # 2048-wide experts, 1 shared, top-8, 8 groups of which 4 eligible, scaling 2.5) on 3 of its 61
-    # layers and 32 of its 256 experts: 5.72B parameters (2.68B active), trains on one H200.
+    # layers and 32 of its 256 experts: 5.72B parameters (3.60B active), trains on one H200.
     "v3-like-3L": replace(_V3, n_layers=3, num_experts=32, first_dense=1, num_mtp_layers=0),
     # The released shape and RoPE (YaRN, factor 40).
     "671B-A37B": _V3,

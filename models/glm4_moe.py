@@ -191,7 +191,7 @@ FLAVORS: dict[str, Glm4MoeArgs] = {
                             moe_hidden_dim=704, num_experts=64, first_dense=1),
     # Benchmark shape, not a released model: GLM-4.5-Air's layers unchanged (hidden 4096, 96 heads
     # of 128 / 8 kv, half rotary, biases, 128 experts of 1408 top-8 + 1 shared, dense layer 0 of
-    # 10944), only 3 of its 46 layers: 6.17B parameters (1.39B active), trains on one H200.
+    # 10944), only 3 of its 46 layers: 6.17B parameters (2.02B active), trains on one H200.
     "air-like-3L": replace(_GLM, dim=4096, n_layers=3, hidden_dim=10944, moe_hidden_dim=1408, num_experts=128,
                            first_dense=1, routed_scaling_factor=1.0, use_qk_norm=False, num_mtp_layers=0),
     "air-106B-A12B": replace(_GLM, dim=4096, n_layers=46, hidden_dim=10944, moe_hidden_dim=1408, num_experts=128,

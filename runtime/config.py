@@ -343,8 +343,8 @@ class InferenceConfig(Base):
     passed as vLLM's kv_cache_dtype="fp8"."""
     sleep_while_training: bool = False
     """Colocated layout, synchronous RL only (max_off_policy_steps = 0), native engine: the engine frees
-    its KV cache and CUDA graphs while the trainer steps and takes them back for the next rollouts, so
-    the trainer can use that memory (small GPUs)."""
+    its KV cache (and linear-attention states) and CUDA graphs while the trainer steps and takes them
+    back for the next rollouts, so the trainer can use that memory (small GPUs)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 

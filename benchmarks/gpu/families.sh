@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's GPU benchmarks on one H200: three family shapes (docs/models.md, "Benchmark shapes"),
-#   glm4_moe air-like-3L    GLM-4.5-Air's layers, 3 of them (6.17B parameters, 1.39B active)
-#   deepseek_v3 v3-like-3L  DeepSeek-V3's MLA + MoE layers, 3 of them, 32 experts (5.72B, 2.68B active)
+#   glm4_moe air-like-3L    GLM-4.5-Air's layers, 3 of them (6.17B parameters, 2.02B active)
+#   deepseek_v3 v3-like-3L  DeepSeek-V3's MLA + MoE layers, 3 of them, 32 experts (5.72B, 3.60B active)
 #   qwen3_5 like-2B-24L     a Qwen3.5-like hybrid: 18 Gated DeltaNet + 6 full-attention layers (1.88B)
 # each through, in this order (FAMILIES_PARTS picks; random weights, bf16):
 #   train   meshrl bench trainer (one row of 8192 tokens, AdamW; tokens/s, MFU, peak memory; a run
