@@ -23,6 +23,14 @@ Colocated layout only (runtime/weight_sync.py: `ColocatedSender`, `ColocatedRece
                                             int64 "version v is written" / "v is copied" signals
                                             on the pair's own groups)
 
+Prefill/decode disaggregation only (inference.prefill_ranks; runtime/engine/disagg.py):
+
+    prefill    -> controller  PREFILLED     sequences whose prompt is computed, bound for a decode
+                                            replica: everything but their KV blocks
+    controller -> prefill     SEND_KV       send handoff h's blocks on the kv group
+    controller -> decode      RECV_KV       the PREFILLED data; receive its blocks from meta src
+    (GENERATE to a prefill replica carries meta `decode`: the decode rank of its requests)
+
 Why WEIGHTS comes before the broadcast: the inference ranks must be told to join it, and only
 the controller talks to them (runtime/rollout/controller.py). Weights themselves never travel
 as messages: runtime/weight_sync.py broadcasts them on the sync group.
@@ -59,6 +67,9 @@ class Kind(StrEnum):
     SLEEP = "sleep"
     ASLEEP = "asleep"
     STAGING = "staging"
+    PREFILLED = "prefilled"
+    SEND_KV = "send_kv"
+    RECV_KV = "recv_kv"
 
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
@@ -69,11 +80,13 @@ _FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
 # ---------------------------------------------------------------- controller -> inference
 
 
-def generate(request_ids: list[int], prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any]) -> Message:
+def generate(request_ids: list[int], prompts: list[list[int]], seeds: list[int], sampling: dict[str, Any],
+             decode: int | None = None) -> Message:
     """Requests that share one sampling setting. `sampling`: SamplingParams fields as plain values
     (runtime/engine/sampling.py), everything but the per-request seed; ragged prompts travel as one
-    flat tensor plus lengths."""
-    return Message(Kind.GENERATE, {"sampling": sampling}, TensorDict({
+    flat tensor plus lengths. `decode`: to a prefill replica, the decode rank its requests continue on."""
+    meta: dict[str, Any] = {"sampling": sampling} if decode is None else {"sampling": sampling, "decode": decode}
+    return Message(Kind.GENERATE, meta, TensorDict({
         "request_id": torch.tensor(request_ids, dtype=torch.int64),
         "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
         "prompt_ids": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
@@ -99,6 +112,16 @@ def read_generate(msg: Message) -> list[RequestRecord]:
         out.append(RequestRecord(rid, flat[offset:offset + n], {**sampling, "seed": seed}))
         offset += n
     return out
+
+
+def send_kv(handoff: int) -> Message:
+    """Controller -> prefill replica: send handoff `handoff`'s KV blocks to its decode replica now."""
+    return Message(Kind.SEND_KV, {"handoff": handoff})
+
+
+def recv_kv(prefilled: Message) -> Message:
+    """Controller -> decode replica: a PREFILLED message relayed as it is, with its sender in meta `src`."""
+    return Message(Kind.RECV_KV, {**prefilled.meta, "src": prefilled.src}, prefilled.data)
 
 
 def load_weights(version: int) -> Message:
@@ -190,6 +213,12 @@ def read_completions(msg: Message) -> list[TurnRecord]:
         out.append(TurnRecord(rid, tokens[sl], logprobs[sl], versions[sl], _FINISH_NAMES[fin]))
         offset += n
     return out
+
+
+def prefilled(meta: dict[str, Any], data: TensorDict) -> Message:
+    """Prefill replica -> controller: a handoff (runtime/engine/disagg.py builds and reads it;
+    meta `handoff` its id, `dst` the decode rank)."""
+    return Message(Kind.PREFILLED, meta, data)
 
 
 def weights(version: int) -> Message:

@@ -298,6 +298,15 @@ class KVCache:
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
         self._released = {}
 
+    def storages(self) -> list[tuple[Tensor, int]]:
+        """Every storage tensor with its block dim: the k/v tensor `data` (or keys and values apart)
+        and an FP8 cache's scales; e4m3 as bytes (index_select / index_copy_ and the P/D block
+        transfer, runtime/engine/disagg.py, need no fp8 kernels then). Writes go to the cache."""
+        if self.data is None:
+            return [(self._k, 2), (self._v, 2)]
+        out = [(self.data.view(torch.uint8) if self.fp8 else self.data, 3)]
+        return out + ([(self.scales, 3)] if self.scales is not None else [])
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer, k and v): the data half of copy-on-write."""
         if src:

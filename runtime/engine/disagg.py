@@ -1,0 +1,294 @@
+"""Prefill/decode disaggregation of the native engine (inference.prefill_ranks; docs/inference.md).
+
+A prefill replica runs the ordinary `NativeEngine`, but a sequence leaves it as soon as its prompt
+is computed and its first token sampled: `PrefillRole.step` takes such sequences out of the
+scheduler with their block tables (*parked*: no row, not live, blocks still held) and describes
+them, per decode replica, in one PREFILLED message. A decode replica's `DecodeRole.receive`
+takes that description and the blocks and puts the sequences into its scheduler exactly as a
+single engine holds them right after a prefill (and its forks): running, not yet decoding, the
+prompt's blocks shared copy-on-write between the samples of one prompt, full blocks registered in
+the prefix cache when their k/v are of the replica's current weight version. It then decodes them
+like any other sequence: same rows, preemption (a preempted sequence is recomputed on the decode
+replica itself), stop rules, per-token versions.
+
+    prefill replica                          controller                       decode replica
+    GENERATE (meta decode = D) --> add
+    step: prefill, sample token 0, park
+    PREFILLED h (to the controller) ------->  relays, in one handler:
+                                              SEND_KV h, dst D  -> prefill
+                                              RECV_KV (the PREFILLED data, src) ---------> receive
+    send_blocks h  ===================== kv group (NCCL / gloo) =========================> recv_blocks
+
+What a PREFILLED message holds (`_describe`): per sequence its request id, sample index, seed,
+prompt length, length limit, the weight version of its oldest k/v, its tokens (prompt + first
+token), the logprobs and versions of its generated tokens, and its block table as indices into
+the handoff's list of distinct blocks (the samples of one prompt share them); in meta the
+handoff id, the decode rank, each sequence's SamplingParams, the number of distinct blocks, the
+chunk size of the transfer and the cache's geometry (`cache_spec`), which the receiver checks
+against its own before it receives anything.
+
+Ordering. Both sides apply controller messages in order between engine steps, and the controller
+sends SEND_KV / RECV_KV in one handler, as it sends LOAD_WEIGHTS to every inference rank in one
+handler: so on both ranks a transfer and a weight broadcast come in the same order and neither
+can wait on the other (no deadlock). A handoff's k/v therefore never come from a newer version
+than the decode replica's (it loaded that version before it saw the RECV_KV); they may come from
+an older one, which is what a single engine does when weights change between a sequence's prefill
+and its decode: the k/v are kept, the tokens sampled from then on record the new version, and
+those blocks are never registered in the prefix cache.
+
+Room. A sequence is taken only when the decode replica has a free row and blocks for it; otherwise
+its blocks are received and dropped, and it waits as a preempted sequence does (tokens kept,
+recomputed on the decode replica when admitted). Sampling is counter-based on (seed, token index)
+(runtime/engine/sampling.py), and the seed travels with the sequence, so the replica that samples
+a token never changes it.
+
+Not supported (refused by the config): tensor-parallel replicas, the vLLM backend, the colocated
+layout; models with linear-attention layers (their per-row recurrent state would have to travel
+too; refused when the engine is built). The rest of the engine (FP8 weights or cache, MLA latent
+caches, sliding windows) needs nothing here: the blocks travel as the cache stores them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from meshrl.runtime import protocol
+from meshrl.runtime.engine.api import Completion, Request, SamplingParams
+from meshrl.runtime.engine.kv_cache import KVCache
+from meshrl.runtime.engine.native import NativeEngine
+from meshrl.runtime.engine.sequence import Sequence
+from meshrl.runtime.transport import Message
+
+CHUNK_MB = 64.0
+"""Blocks travel in chunks of about this many MiB (the staging buffers on each side hold one chunk)."""
+
+
+# ---------------------------------------------------------------------------- the data plane
+
+
+def cache_spec(kv: KVCache) -> list[list]:
+    """The geometry of one block of every storage tensor: [shape without the block dim, dtype]."""
+    return [[[*t.shape[:d], *t.shape[d + 1:]], str(t.dtype)] for t, d in kv.storages()]
+
+
+def chunk_blocks(kv: KVCache, chunk_mb: float = CHUNK_MB) -> int:
+    """Blocks per transfer chunk."""
+    per_block = sum(t.element_size() * t.numel() // t.shape[d] for t, d in kv.storages())
+    return max(1, int(chunk_mb * 2**20) // per_block)
+
+
+def send_blocks(kv: KVCache, blocks: list[int], group: dist.ProcessGroup, dst: int, chunk: int) -> None:
+    """Send the k/v of `blocks` (every layer, every storage tensor) to global rank `dst` on `group`,
+    `chunk` blocks per point-to-point send; returns when the sends are done."""
+    if not blocks:
+        return
+    device = kv.storages()[0][0].device
+    index = torch.tensor(blocks, dtype=torch.long, device=device)
+    for start in range(0, len(blocks), chunk):
+        part = index[start:start + chunk]
+        for t, d in kv.storages():
+            dist.send(t.index_select(d, part).contiguous(), dst=dst, group=group)
+
+
+def recv_blocks(kv: KVCache, spec: list[list], into: list[int], group: dist.ProcessGroup, src: int,
+                chunk: int) -> None:
+    """Receive `len(into)` blocks sent by `send_blocks` from global rank `src`; block i goes to cache
+    block into[i], or is dropped when into[i] < 0. ValueError (before anything is received) if the
+    sender's cache geometry `spec` is not this cache's."""
+    mine = cache_spec(kv)
+    if spec != mine:
+        raise ValueError(f"KV handoff: the prefill replica's cache blocks are {spec} ([shape, dtype] per storage "
+                         f"tensor) but this decode replica's are {mine}: both pools must run the same model and "
+                         "inference settings")
+    if not into:
+        return
+    device = kv.storages()[0][0].device
+    for start in range(0, len(into), chunk):
+        part = into[start:start + chunk]
+        keep = [i for i, b in enumerate(part) if b >= 0]
+        src_index = torch.tensor(keep, dtype=torch.long, device=device)
+        dst_index = torch.tensor([part[i] for i in keep], dtype=torch.long, device=device)
+        for t, d in kv.storages():
+            shape = list(t.shape)
+            shape[d] = len(part)
+            buf = torch.empty(shape, dtype=t.dtype, device=t.device)
+            dist.recv(buf, src=src, group=group)
+            if keep:
+                t.index_copy_(d, dst_index, buf.index_select(d, src_index))
+
+
+def _check_engine(engine: NativeEngine) -> None:
+    if engine.states is not None:
+        raise ValueError("inference.prefill_ranks > 0 is not supported for models with linear-attention layers "
+                         "(Qwen3-Next, Qwen3.5): their per-row recurrent state does not travel with the KV blocks")
+    if engine.tp_group is not None:
+        raise ValueError("inference.prefill_ranks > 0 is not supported with inference.tensor_parallel > 1")
+
+
+# ---------------------------------------------------------------------------- prefill side
+
+
+class PrefillRole:
+    """A prefill replica: the engine's sequences leave it once their prompt is computed.
+
+    group: the kv group (every inference rank; NCCL on GPU, gloo on CPU). `add(request, dst)` queues
+    a request whose samples decode on global rank `dst`; `step()` runs one engine step and returns
+    (the samples that finished in it, one PREFILLED message per decode replica); `send(h)` sends
+    handoff h's blocks to its decode replica and frees them here (they stay in the prefix cache).
+    """
+
+    def __init__(self, engine: NativeEngine, group: dist.ProcessGroup | None, chunk_mb: float = CHUNK_MB) -> None:
+        _check_engine(engine)
+        self.engine, self.group = engine, group
+        self.chunk = chunk_blocks(engine.kv, chunk_mb)
+        self.dst_of: dict[int, int] = {}  # live request id -> the decode rank of its samples
+        self.parked: dict[int, tuple[int, list[Sequence], list[int]]] = {}  # handoff -> (dst, sequences, blocks)
+        self._next_handoff = 0
+        self.num_handed_off = 0
+        """Sequences handed to decode replicas so far."""
+
+    def add(self, request: Request, dst: int) -> None:
+        self.engine.add(request)
+        self.dst_of[request.request_id] = dst
+
+    def step(self) -> tuple[list[Completion], list[Message]]:
+        done = self.engine.step()
+        scheduler = self.engine.scheduler
+        ready = [s for s in scheduler.running.values() if len(s.tokens) - s.num_computed == 1]
+        by_dst: dict[int, list[Sequence]] = {}
+        for seq in sorted(ready, key=lambda s: s.admitted):
+            by_dst.setdefault(self.dst_of[seq.request.request_id], []).append(seq)
+            _detach(scheduler, seq)
+        for rid in [rid for rid in self.dst_of if rid not in scheduler.live]:
+            del self.dst_of[rid]
+        return done, [self._describe(dst, seqs) for dst, seqs in by_dst.items()]
+
+    def _describe(self, dst: int, seqs: list[Sequence]) -> Message:
+        """The PREFILLED message of parked sequences bound for `dst` (module docstring)."""
+        blocks: list[int] = []
+        where: dict[int, int] = {}
+        for seq in seqs:
+            for b in seq.table:
+                where.setdefault(b, len(blocks))
+                if where[b] == len(blocks):
+                    blocks.append(b)
+        h = self._next_handoff
+        self._next_handoff += 1
+        self.parked[h] = (dst, seqs, blocks)
+        self.num_handed_off += len(seqs)
+        generated = [seq.tokens[seq.num_prompt:] for seq in seqs]
+        data = TensorDict({
+            "request_id": torch.tensor([s.request.request_id for s in seqs], dtype=torch.int64),
+            "index": torch.tensor([s.index for s in seqs], dtype=torch.int64),
+            "seed": torch.tensor([s.seed for s in seqs], dtype=torch.int64),
+            "num_prompt": torch.tensor([s.num_prompt for s in seqs], dtype=torch.int64),
+            "limit": torch.tensor([s.limit for s in seqs], dtype=torch.int64),
+            "cache_version": torch.tensor([s.cache_version for s in seqs], dtype=torch.int64),
+            "num_tokens": torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64),
+            "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64),
+            "num_generated": torch.tensor([len(g) for g in generated], dtype=torch.int64),
+            "logprobs": torch.tensor([x for s in seqs for x in s.logprobs], dtype=torch.float64),
+            "versions": torch.tensor([v for s in seqs for v in s.versions], dtype=torch.int64),
+            "table_lens": torch.tensor([len(s.table) for s in seqs], dtype=torch.int64),
+            "tables": torch.tensor([where[b] for s in seqs for b in s.table], dtype=torch.int64),
+        }, batch_size=[])
+        meta = {"handoff": h, "dst": dst, "num_blocks": len(blocks), "chunk": self.chunk,
+                "spec": cache_spec(self.engine.kv), "sampling": [asdict(s.request.sampling) for s in seqs]}
+        return protocol.prefilled(meta, data)
+
+    def send(self, handoff: int) -> None:
+        """Send a handoff's blocks to its decode replica (which is receiving them), then free them here."""
+        dst, seqs, blocks = self.parked.pop(handoff)
+        send_blocks(self.engine.kv, blocks, self.group, dst, self.chunk)
+        for seq in seqs:
+            self.engine.blocks.release(seq.table)
+            seq.table = []
+
+
+def _detach(scheduler, seq: Sequence) -> None:
+    """Take a running sequence out of a scheduler (its row freed, no longer live), keeping its blocks."""
+    del scheduler.running[seq.row]
+    heapq.heappush(scheduler.free_rows, seq.row)
+    scheduler.rows.clear(seq.row)
+    scheduler._layout_stale = True  # noqa: SLF001 - the scheduler's own flag: its running set changed
+    seq.row = -1
+    samples = scheduler.live[seq.request.request_id]
+    samples.remove(seq)
+    if not samples:
+        del scheduler.live[seq.request.request_id]
+
+
+# ---------------------------------------------------------------------------- decode side
+
+
+class DecodeRole:
+    """A decode replica: `receive(msg, group)` takes one RECV_KV message (a prefill replica's
+    PREFILLED data, `msg.meta["src"]` its rank) and that handoff's blocks into the engine."""
+
+    def __init__(self, engine: NativeEngine, group: dist.ProcessGroup | None) -> None:
+        _check_engine(engine)
+        self.engine, self.group = engine, group
+        self.num_received = 0
+        """Sequences received so far."""
+        self.num_recomputed = 0
+        """Received sequences that found no row or blocks and wait to be recomputed here."""
+
+    def receive(self, msg: Message) -> None:
+        engine, meta = self.engine, msg.meta
+        scheduler, blocks = engine.scheduler, engine.blocks
+        seqs, tables = _sequences(msg.data, meta["sampling"])
+        into = [-1] * meta["num_blocks"]
+        rows_left = len(scheduler.free_rows)
+        taken: list[tuple[Sequence, list[int]]] = []
+        for seq, table in zip(seqs, tables):
+            if max(seq.versions, default=0) > scheduler.version:
+                raise RuntimeError(f"KV handoff of request {seq.request.request_id} sampled with weights "
+                                   f"v{max(seq.versions)} reached a decode replica at v{scheduler.version}")
+            new = [j for j in table if into[j] < 0]
+            if rows_left and blocks.num_free >= len(new):
+                rows_left -= 1
+                for j in new:
+                    into[j] = blocks.allocate()
+                for j in table:
+                    if j not in new:
+                        blocks.incref(into[j])
+                taken.append((seq, table))
+        recv_blocks(engine.kv, meta["spec"], into, self.group, meta["src"], meta["chunk"])
+        adopted = {id(seq) for seq, _ in taken}
+        for seq, table in taken:
+            seq.table = [into[j] for j in table]
+            seq.num_computed = len(seq.tokens) - 1
+            scheduler._take_row(seq)  # noqa: SLF001 - as a prefill's fork takes a row
+            scheduler._register(seq)  # noqa: SLF001 - only k/v of the current version are registered
+        for seq in seqs:
+            scheduler.live.setdefault(seq.request.request_id, []).append(seq)
+            if id(seq) not in adopted:
+                scheduler.waiting.append(seq)  # recomputed here when admitted, like a preempted sequence
+        self.num_received += len(seqs)
+        self.num_recomputed += len(seqs) - len(taken)
+
+
+def _sequences(td: TensorDict, sampling: list[dict]) -> tuple[list[Sequence], list[list[int]]]:
+    """The sequences of a PREFILLED message (blocks not yet attached) and their tables as indices
+    into the handoff's distinct blocks."""
+    tokens, logprobs, versions = td["tokens"].tolist(), td["logprobs"].tolist(), td["versions"].tolist()
+    tables = td["tables"].tolist()
+    seqs, out_tables = [], []
+    t = g = b = 0
+    columns = ("request_id", "index", "seed", "num_prompt", "limit", "cache_version", "num_tokens", "num_generated",
+               "table_lens")
+    for i, (rid, index, seed, num_prompt, limit, cache_version, n, ng, nb) in enumerate(
+            zip(*(td[c].tolist() for c in columns))):
+        own = tokens[t:t + n]
+        request = Request(rid, own[:num_prompt], SamplingParams(**sampling[i]))
+        seq = Sequence(request, index, seed, own, num_prompt, limit, logprobs[g:g + ng], versions[g:g + ng])
+        seq.cache_version = cache_version
+        seqs.append(seq)
+        out_tables.append(tables[b:b + nb])
+        t, g, b = t + n, g + ng, b + nb
+    return seqs, out_tables
