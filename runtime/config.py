@@ -345,6 +345,12 @@ class InferenceConfig(Base):
     """Colocated layout, synchronous RL only (max_off_policy_steps = 0), native engine: the engine frees
     its KV cache (and linear-attention states) and CUDA graphs while the trainer steps and takes them
     back for the next rollouts, so the trainer can use that memory (small GPUs)."""
+    prefill_ranks: int = Field(0, ge=0)
+    """Prefill/decode disaggregation (native engine, split layout, tensor_parallel = 1): the first K
+    engine replicas only prefill prompts; their KV blocks, first tokens and versions then move to one
+    of the other (decode) replicas over a dedicated process group, which decodes them; multi-turn
+    continuations are prefilled by the decode replica that holds the episode's cache. 0: every replica
+    does both (docs/inference.md, Prefill/decode disaggregation)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 
@@ -668,6 +674,7 @@ class RLConfig(Base):
                              f"inference.tensor_parallel ({self.inference.tensor_parallel}): one engine replica "
                              "per tensor_parallel ranks")
         check_colocation(self)
+        check_disaggregation(self)
         if self.trainer.micro_batch_tokens < self.inference.max_model_len:
             raise ValueError(
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must be >= "
@@ -714,6 +721,28 @@ def check_colocation(cfg: "RLConfig") -> None:
         if lay.colocate is False:
             raise ValueError("inference.sleep_while_training needs a colocated layout (layout.colocate = true or "
                              '"auto"): a split-layout engine has its GPU to itself')
+
+
+def check_disaggregation(cfg: "RLConfig") -> None:
+    """What inference.prefill_ranks > 0 needs (runtime/engine/disagg.py); layout.colocate = "auto" is
+    checked where the GPU count is known (runtime/rl.py's preflight)."""
+    inf, lay = cfg.inference, cfg.layout
+    k = inf.prefill_ranks
+    if k == 0:
+        return
+    replicas = lay.num_inference_ranks // inf.tensor_parallel
+    if k >= replicas:
+        raise ValueError(f"inference.prefill_ranks ({k}) must be smaller than the number of engine replicas "
+                         f"({replicas}): at least one replica must decode")
+    if inf.tensor_parallel != 1:
+        raise ValueError(f"inference.prefill_ranks ({k}) > 0 is not supported with inference.tensor_parallel "
+                         f"({inf.tensor_parallel}) > 1 yet")
+    if inf.backend != "native":
+        raise ValueError(f'inference.prefill_ranks ({k}) > 0 needs inference.backend = "native": the vLLM adapter '
+                         "cannot hand KV blocks over")
+    if lay.colocate is True:
+        raise ValueError(f"inference.prefill_ranks ({k}) > 0 needs the split layout (layout.colocate = false): "
+                         "disaggregation between colocated engines is not supported (docs/inference.md)")
 
 
 class DataConfig(Base):

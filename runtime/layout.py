@@ -20,6 +20,8 @@ Process groups (every rank creates all of them, in the same order, as torch requ
   engine's per-step sample broadcast) and `tp_control` (gloo: the leader tells the others how many
   controller messages to apply before each engine step; see runtime/engine/loop.py);
 - `sync`: trainer rank 0 + all inference ranks, for the weight broadcast (NCCL on GPU);
+- `kv` (inference.prefill_ranks > 0 only): all inference ranks, for the KV blocks a prefill replica
+  sends a decode replica point to point (NCCL on GPU, gloo on CPU; runtime/engine/disagg.py);
 - `down[r]` / `up[r]`: a gloo pair (controller, r) per direction for control messages, so
   that a receiving thread and a sending thread never share a group.
 
@@ -58,6 +60,17 @@ class Roles:
     inference: tuple[int, ...]
     tensor_parallel: int = 1
     colocated: bool = False
+    prefill_replicas: int = 0  # inference.prefill_ranks: the first K replicas only prefill
+
+    @property
+    def prefill_engines(self) -> tuple[int, ...]:
+        """Prefill/decode disaggregation: the first rank of every prefill-only replica (none without it)."""
+        return self.engines[:self.prefill_replicas]
+
+    @property
+    def decode_engines(self) -> tuple[int, ...]:
+        """The replicas that decode: every replica without disaggregation, else all but the prefill ones."""
+        return self.engines[self.prefill_replicas:]
 
     def peer_of(self, rank: int) -> int:
         """Colocated layout: the rank sharing `rank`'s device (trainer k <-> inference rank k)."""
@@ -92,12 +105,13 @@ class Roles:
 
 
 def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: int, controller: int = -1,
-                 tensor_parallel: int = 1, colocated: bool = False) -> Roles:
+                 tensor_parallel: int = 1, colocated: bool = False, prefill_replicas: int = 0) -> Roles:
     """Split `world_size` ranks into one controller, trainers, then inference ranks.
 
     `controller` is the global rank chosen as controller (-1 = the last rank). Trainers are the
     first `num_trainer_ranks` other ranks in order, inference ranks the rest, in replicas of
-    `tensor_parallel` consecutive ranks.
+    `tensor_parallel` consecutive ranks; with `prefill_replicas` = K (inference.prefill_ranks) the
+    first K replicas prefill only and the others decode.
     """
     needed = 1 + num_trainer_ranks + num_inference_ranks
     if world_size != needed:
@@ -117,6 +131,7 @@ def assign_roles(world_size: int, num_trainer_ranks: int, num_inference_ranks: i
         inference=tuple(others[num_trainer_ranks:]),
         tensor_parallel=tensor_parallel,
         colocated=colocated,
+        prefill_replicas=prefill_replicas,
     )
 
 
@@ -232,6 +247,7 @@ class Layout:
     inference_mesh: DeviceMesh | None = None
     tp_group: dist.ProcessGroup | None = None
     tp_control: dist.ProcessGroup | None = None
+    kv_group: dist.ProcessGroup | None = None  # P/D disaggregation: KV blocks between inference ranks
     to_peer: dist.ProcessGroup | None = None  # colocated layout: this rank -> the rank on its device
     from_peer: dist.ProcessGroup | None = None  # and back
     down: dict[int, dist.ProcessGroup] = field(default_factory=dict)
@@ -278,6 +294,9 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
         _build_colocated_pairs(lay, timeout)
     else:
         sync_group = dist.new_group([roles.trainers[0], *roles.inference], timeout=timeout, backend=sync_backend)
+    kv_group = None
+    if roles.prefill_replicas:  # only then: a job without disaggregation keeps exactly its groups
+        kv_group = dist.new_group(list(roles.inference), timeout=timeout, backend=sync_backend)
     for r in (*roles.trainers, *roles.inference):
         lay.down[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
         lay.up[r] = dist.new_group([roles.controller, r], timeout=idle, backend="gloo")
@@ -289,6 +308,7 @@ def build_layout(roles: Roles, rank: int, device: torch.device, timeout_s: float
         lay.trainer_group = trainer_group
     if rank in roles.inference:
         lay.inference_group = inference_group
+        lay.kv_group = kv_group
         if tp_across is None:
             lay.inference_mesh = DeviceMesh.from_group(inference_group, device.type, mesh_dim_names=("replica",))
         else:

@@ -50,6 +50,10 @@ def preflight(cfg: RLConfig) -> None:
     lay = cfg.layout
     colocated = resolve_colocation(lay.colocate, lay.num_trainer_ranks, lay.num_inference_ranks,
                                    cfg.inference.tensor_parallel, cuda)
+    if colocated and cfg.inference.prefill_ranks:
+        raise ValueError(f"inference.prefill_ranks ({cfg.inference.prefill_ranks}) > 0 needs the split layout, but "
+                         "layout.colocate = auto colocates on this node (fewer GPUs than ranks): set layout.colocate = "
+                         "false and give every rank a GPU")
     if cuda and "WORLD_SIZE" not in os.environ:  # the launcher, on the node the job runs on
         gpus = lay.num_trainer_ranks if colocated else lay.num_trainer_ranks + lay.num_inference_ranks
         if gpus > torch.cuda.device_count():
@@ -85,7 +89,7 @@ def run_rank(cfg: RLConfig, run_dir: Path) -> None:
     device = pick_device(cuda, lay.num_trainer_ranks if colocated else None)
     rank, world = init_world(cuda, cfg.dist.timeout_s)
     roles = assign_roles(world, lay.num_trainer_ranks, lay.num_inference_ranks, find_controller(device),
-                         cfg.inference.tensor_parallel, colocated)
+                         cfg.inference.tensor_parallel, colocated, cfg.inference.prefill_ranks)
     role = roles.role_of(rank)
     setup_logging(run_dir, rank, role)
     layout = build_layout(roles, rank, device, cfg.dist.timeout_s, cfg.dist.message_timeout_s, cuda,

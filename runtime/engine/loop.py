@@ -12,6 +12,13 @@ with it (runtime/weight_sync.py, `ColocatedReceiver`) instead of joining a broad
 inference.sleep_while_training, `sleep` frees the KV cache and CUDA graphs while the trainer
 steps (answered by `asleep`), and the next `load_weights` or `generate` takes them back.
 
+Prefill/decode disaggregation (inference.prefill_ranks = K > 0; runtime/engine/disagg.py). A
+prefill replica's `generate` carries the decode rank of its requests; after each step the sequences
+whose prompt is computed leave its engine and are described to the controller (`prefilled`); the
+controller answers `send_kv` (send those blocks on the kv group now) and gives the decode replica
+`recv_kv` (take them). Both apply these between engine steps, in order with `load_weights`, so a
+block transfer and a weight broadcast never wait on each other.
+
 Tensor parallel replicas (inference.tensor_parallel = N > 1). The N ranks each hold a shard of
 the model (parallel/tensor_parallel.py) and run the same scheduler, so they must apply the same
 messages between the same engine steps (the lockstep contract): otherwise one rank would run a
@@ -35,6 +42,7 @@ from meshrl.runtime import memory, protocol, transport, weight_sync
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.engine.api import InferenceEngine, Request
 from meshrl.runtime.engine.build import build_engine
+from meshrl.runtime.engine.disagg import DecodeRole, PrefillRole
 from meshrl.runtime.engine.sampling import SamplingParams
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.policy import compute_dtype
@@ -77,6 +85,10 @@ class InferenceRank:
         self.beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
         self.start_version = start_version
         self.generated = 0
+        roles, rank = layout.roles, layout.rank
+        self.prefill = PrefillRole(self.engine, layout.kv_group) if rank in roles.prefill_engines else None
+        self.decode = (DecodeRole(self.engine, layout.kv_group)
+                       if roles.prefill_replicas and rank in roles.decode_engines else None)
 
     def run(self) -> None:
         engine, layout = self.engine, self.layout
@@ -92,17 +104,32 @@ class InferenceRank:
                 self._apply(msg)
             if engine.has_work():
                 self.beat.set(f"engine step with weights v{engine.version}")
-                done = engine.step()
+                done = engine.step() if self.prefill is None else self._prefill_step()
                 if done and reports:
                     self.generated += sum(len(c.token_ids) for c in done)
                     transport.send(protocol.completions(done), self.controller, self.up)
+
+    def _prefill_step(self):
+        """A prefill replica's step: the sequences it prefilled go to the controller as handoffs."""
+        done, handoffs = self.prefill.step()
+        for msg in handoffs:
+            transport.send(msg, self.controller, self.up)
+        return done
 
     def _apply(self, msg: Message) -> None:
         engine = self.engine
         if msg.kind == Kind.GENERATE:
             _wake(engine)
             for r in protocol.read_generate(msg):
-                engine.add(Request(r.request_id, r.prompt_ids, SamplingParams(**r.sampling)))
+                request = Request(r.request_id, r.prompt_ids, SamplingParams(**r.sampling))
+                if self.prefill is None:
+                    engine.add(request)
+                else:
+                    self.prefill.add(request, msg.meta["decode"])
+        elif msg.kind == Kind.SEND_KV:
+            self.prefill.send(msg.meta["handoff"])
+        elif msg.kind == Kind.RECV_KV:
+            self.decode.receive(msg)
         elif msg.kind == Kind.LOAD_WEIGHTS:
             version = msg.meta["version"]
             self.beat.set(f"receiving weights v{version}")
@@ -137,6 +164,11 @@ class InferenceRank:
         # Every dispatched step is trained before the controller says stop, so nothing should be live.
         if self.engine.has_work():
             log.warning("stopping with requests still live; they are dropped")
+        if self.prefill is not None:
+            log.info("prefill replica: handed %d sequences off to decode replicas", self.prefill.num_handed_off)
+        if self.decode is not None:
+            log.info("decode replica: received %d prefilled sequences (%d recomputed here for want of room)",
+                     self.decode.num_received, self.decode.num_recomputed)
         if self.colocated is not None:
             self.colocated.close()
         if self.layout.device.type == "cuda":

@@ -56,6 +56,7 @@ from meshrl.runtime import protocol, transport
 from meshrl.runtime.train.losses import DROP_REASONS, filter_reason, group_advantages, length_penalized
 from meshrl.runtime.config import AdvantageConfig, RLConfig
 from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResult, TurnRouter, completion_text
+from meshrl.runtime.rollout.disagg import DisaggRouter
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
@@ -137,6 +138,27 @@ def group_samples(group: Group, ok: list[Rollout], cfg: AdvantageConfig,
     return samples, None, masked
 
 
+def env_stats(state: StepState, default_name: str) -> dict[str, float]:
+    """env/<name>/reward, env/<name>/<component or metric> (means), env/<name>/failed, per environment."""
+    by_env: dict[str, list[Rollout]] = {}
+    for group in state.groups:
+        for r in group.rollouts:
+            if r is not None:
+                by_env.setdefault(r.env or default_name, []).append(r)
+    out: dict[str, float] = {}
+    for name, rollouts in sorted(by_env.items()):
+        ok = [r for r in rollouts if not r.failed]
+        out[f"env/{name}/reward"] = statistics.fmean(r.reward for r in ok) if ok else 0.0
+        out[f"env/{name}/failed"] = len(rollouts) - len(ok)
+        values: dict[str, list[float]] = {}
+        for r in ok:
+            for key, value in {**r.components, **r.metrics}.items():
+                values.setdefault(key, []).append(value)
+        for key, vals in sorted(values.items()):
+            out.setdefault(f"env/{name}/{key}", statistics.fmean(vals))
+    return out
+
+
 class Controller:
     """Owns the dataset cursor, the environment, the buffer of rollouts and the step clock."""
 
@@ -172,6 +194,8 @@ class Controller:
                                     post=lambda event: self.inbox.queue.put(protocol.episode(event)))
         self.turns = TurnRouter(self.driver, self._send_requests, self._new_request_id, cfg.inference.sampling.top_p)
         self.where = self.turns.where  # request id -> episode key
+        # inference.prefill_ranks > 0: prefill and decode pools (runtime/rollout/disagg.py)
+        self.pd = DisaggRouter(layout, self.where) if layout is not None and layout.roles.prefill_replicas else None
         eval_env = make_env(cfg.eval.env.name, **cfg.eval.env.kwargs()) if cfg.eval.env is not None else env
         self.evals = (OnlineEval(cfg.eval, eval_env, cfg.max_steps, cfg.seed, tokenizer, run_dir)
                       if cfg.eval.every else None)
@@ -212,9 +236,11 @@ class Controller:
             for r in self.layout.roles.inference:  # every rank of a replica joins the weight broadcast
                 transport.send(protocol.load_weights(msg.meta["version"]), r, self.layout.down[r])
             if self.evals is not None and self.evals.due(msg.meta["version"]):  # after the load: evaluates v
-                self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.engines))
+                self.evals.start(msg.meta["version"], self.turns, list(self.layout.roles.decode_engines))
         elif msg.kind == Kind.EPISODE:
             self._on_episode(msg.meta["event"])
+        elif msg.kind == Kind.PREFILLED:
+            self.pd.on_prefilled(msg)
         elif msg.kind == Kind.ASLEEP:
             self._sleep_pending.discard(msg.src)
         elif msg.kind == Kind.REPORT:
@@ -242,7 +268,8 @@ class Controller:
             example = self.env.example(self.cursor)
             self.cursor += 1
             groups.append(Group(example, [], [None] * cfg.samples_per_prompt))
-            rank = engines[(step * cfg.prompts_per_step + g) % len(engines)]  # a group stays on one replica
+            keys = [("train", step, g, j) for j in range(cfg.samples_per_prompt)]  # a group stays on one replica
+            rank = engines[(step * cfg.prompts_per_step + g) % len(engines)] if self.pd is None else self.pd.home(keys)
             for j in range(cfg.samples_per_prompt):
                 self.turns.start(("train", step, g, j), self.env, example, rank, cfg.inference.sampling.temperature,
                                  partial(self._turn_seed, step, g, j))
@@ -263,6 +290,8 @@ class Controller:
     def _send_requests(self, rank: int, sampling: dict, ids: list[int], prompts: list[list[int]],
                        seeds: list[int]) -> None:
         """Requests for the replica whose first rank is `rank`: the same message to each of its ranks."""
+        if self.pd is not None:  # first turns through a prefill replica, later ones to `rank`
+            return self.pd.send(rank, sampling, ids, prompts, seeds)
         msg = protocol.generate(ids, prompts, seeds, sampling)
         for r in self.layout.roles.replica_of(rank):
             transport.send(msg, r, self.layout.down[r])
@@ -270,7 +299,10 @@ class Controller:
     # ------------------------------------------------------------------ scoring
 
     def _on_completions(self, msg: Message) -> None:
-        for turn in protocol.read_completions(msg):
+        turns = protocol.read_completions(msg)
+        if self.pd is not None:
+            self.pd.on_completions([t.request_id for t in turns])
+        for turn in turns:
             self.turns.on_completion(turn.request_id, turn.token_ids, turn.logprobs, turn.versions,
                                      turn.finish_reason)
 
@@ -279,6 +311,8 @@ class Controller:
         result = self.turns.handle(event)
         if result is None:
             return
+        if self.pd is not None:
+            self.pd.episode_done(result.key)
         if result.key[0] == "eval":
             for row in self.evals.add(result):
                 self.metrics.write(row)
@@ -385,7 +419,7 @@ class Controller:
             "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
             "time/rollout_s": time.perf_counter() - state.dispatched_at,
             "tokens/rollout_per_s": self._rollout_rate(state),
-            **self._env_stats(state),
+            **env_stats(state, getattr(self.env, "name", "env")),
         }
         self._write_samples(step, state)
         return samples, stats
@@ -400,26 +434,6 @@ class Controller:
             began = state.dispatched_at
         self._previous_done_at = done
         return state.sampled_tokens / max(done - began, 1e-9)
-
-    def _env_stats(self, state: StepState) -> dict[str, float]:
-        """env/<name>/reward, env/<name>/<component or metric> (means), env/<name>/failed, per environment."""
-        by_env: dict[str, list[Rollout]] = {}
-        for group in state.groups:
-            for r in group.rollouts:
-                if r is not None:
-                    by_env.setdefault(r.env or getattr(self.env, "name", "env"), []).append(r)
-        out: dict[str, float] = {}
-        for name, rollouts in sorted(by_env.items()):
-            ok = [r for r in rollouts if not r.failed]
-            out[f"env/{name}/reward"] = statistics.fmean(r.reward for r in ok) if ok else 0.0
-            out[f"env/{name}/failed"] = len(rollouts) - len(ok)
-            values: dict[str, list[float]] = {}
-            for r in ok:
-                for key, value in {**r.components, **r.metrics}.items():
-                    values.setdefault(key, []).append(value)
-            for key, vals in sorted(values.items()):
-                out.setdefault(f"env/{name}/{key}", statistics.fmean(vals))
-        return out
 
     def _write_samples(self, step: int, state: StepState) -> None:
         rows = []
