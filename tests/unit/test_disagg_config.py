@@ -1,0 +1,112 @@
+"""Prefill/decode disaggregation: one-line config errors before any process starts, the roles, the
+controller's pool balancing and relay (runtime/rollout/disagg.py), and engines it refuses."""
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from meshrl.runtime import protocol, rl, transport
+from meshrl.runtime.config import ConfigError, RLConfig, validate
+from meshrl.runtime.layout import assign_roles
+from meshrl.runtime.rollout.disagg import DisaggRouter
+from meshrl.runtime.transport import Message
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = {"flavor": "debug", "tokenizer": "char"}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"inference": {"prefill_ranks": 1}},
+     "inference.prefill_ranks (1) must be smaller than the number of engine replicas (1)"),
+    ({"inference": {"prefill_ranks": 2}, "layout": {"num_inference_ranks": 2}},
+     "inference.prefill_ranks (2) must be smaller than the number of engine replicas (2)"),
+    ({"inference": {"prefill_ranks": 1, "tensor_parallel": 2}, "layout": {"num_inference_ranks": 4}},
+     "inference.prefill_ranks (1) > 0 is not supported with inference.tensor_parallel (2) > 1"),
+    ({"inference": {"prefill_ranks": 1, "backend": "vllm"}, "layout": {"num_inference_ranks": 2}},
+     'inference.prefill_ranks (1) > 0 needs inference.backend = "native"'),
+    ({"inference": {"prefill_ranks": 1}, "layout": {"num_inference_ranks": 2, "num_trainer_ranks": 2,
+                                                     "colocate": True}},
+     "inference.prefill_ranks (1) > 0 needs the split layout (layout.colocate = false)"),
+])
+def test_unsupported_disaggregation_settings_fail_with_one_line(raw, message):
+    with pytest.raises(ConfigError) as e:
+        validate(RLConfig, {"model": MODEL, **raw})
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_supported_settings_validate():
+    cfg = validate(RLConfig, {"model": MODEL, "inference": {"prefill_ranks": 2}, "layout": {"num_inference_ranks": 3}})
+    assert cfg.inference.prefill_ranks == 2
+    assert validate(RLConfig, {"model": MODEL}).inference.prefill_ranks == 0
+
+
+def test_the_cli_exits_2_before_starting_anything(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "meshrl.runtime.cli", "rl", "--model.flavor", "debug",
+                        "--model.tokenizer", "char", "--inference.prefill-ranks", "1", "--output-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "inference.prefill_ranks (1) must be smaller than the number of engine replicas (1)" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_auto_colocation_is_refused_in_preflight(monkeypatch, tmp_path):
+    cfg = validate(RLConfig, {"model": MODEL, "inference": {"prefill_ranks": 1}, "output_dir": str(tmp_path / "r"),
+                              "layout": {"num_inference_ranks": 2}, "dist": {"device": "cpu"}})
+    monkeypatch.setattr(rl, "resolve_colocation", lambda *args: True)  # a node with fewer GPUs than ranks
+    with pytest.raises(ValueError, match=r"inference.prefill_ranks \(1\) > 0 needs the split layout, but "
+                                         "layout.colocate = auto colocates"):
+        rl.preflight(cfg)
+
+
+def test_roles_split_the_replicas_into_pools():
+    roles = assign_roles(6, 1, 4, controller=0, prefill_replicas=1)
+    assert roles.engines == (2, 3, 4, 5) and roles.prefill_engines == (2,) and roles.decode_engines == (3, 4, 5)
+    plain = assign_roles(6, 1, 4, controller=0)
+    assert plain.prefill_engines == () and plain.decode_engines == plain.engines
+
+
+def test_the_router_balances_both_pools_and_relays_handoffs(monkeypatch):
+    sent = []
+    monkeypatch.setattr(transport, "send", lambda msg, dst, group: sent.append((dst, msg)))
+    roles = assign_roles(6, 1, 4, controller=0, prefill_replicas=2)  # prefill 2, 3; decode 4, 5
+    layout = SimpleNamespace(roles=roles, down={r: f"down{r}" for r in roles.inference})
+    where: dict = {}
+    pd = DisaggRouter(layout, where)
+    homes = [pd.home([("train", 0, g, j) for j in range(2)]) for g in range(3)]
+    assert homes == [4, 5, 4]  # fewest episodes in flight, ties to the lowest rank
+    where.update({0: ("train", 0, 0, 0), 1: ("train", 0, 0, 1), 2: ("train", 0, 1, 0)})
+    pd.send(4, {"max_tokens": 4}, [0, 1], [[1, 2, 3], [1, 2, 3]], [7, 8])
+    pd.send(5, {"max_tokens": 4}, [2], [[4]], [9])
+    (d1, m1), (d2, m2) = sent
+    assert (d1, m1.meta["decode"], m1.data["request_id"].tolist()) == (2, 4, [0, 1])  # first turns: prefill
+    assert (d2, m2.meta["decode"]) == (3, 5)  # the other prefill replica: fewer prompt tokens outstanding
+    assert pd.prefill_load == {2: 6, 3: 1}
+    sent.clear()
+    where[3] = ("train", 0, 0, 0)  # the episode's second turn: straight to its home
+    pd.send(4, {"max_tokens": 4}, [3], [[1, 2, 3, 9, 9]], [10])
+    assert sent[0][0] == 4 and "decode" not in sent[0][1].meta
+    sent.clear()
+    data = protocol.generate([0], [[1]], [0], {}).data  # any payload with request ids
+    pd.on_prefilled(Message(protocol.Kind.PREFILLED, {"handoff": 7, "dst": 4}, data, src=2))
+    (p, send_kv), (d, recv_kv) = sent
+    assert (p, send_kv.kind, send_kv.meta) == (2, protocol.Kind.SEND_KV, {"handoff": 7})
+    assert (d, recv_kv.kind, recv_kv.meta["src"]) == (4, protocol.Kind.RECV_KV, 2)
+    assert pd.prefill_load == {2: 3, 3: 1}  # request 0 left the prefill replica
+    pd.on_completions([1])  # finished at its first token on the prefill replica
+    assert pd.prefill_load == {2: 0, 3: 1}
+    pd.episode_done(("train", 0, 0, 0))
+    assert pd.decode_load == {4: 3, 5: 2}
+
+
+def test_engines_with_recurrent_state_are_refused():
+    from meshrl.runtime.engine.disagg import DecodeRole, PrefillRole
+    from tests.family_checks import make_engine
+    from tests.unit.test_qwen3_next import build, tiny
+
+    engine = make_engine(build(tiny("next")))
+    for role in (PrefillRole, DecodeRole):
+        with pytest.raises(ValueError, match="not supported for models with linear-attention layers"):
+            role(engine, None)
