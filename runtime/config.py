@@ -879,6 +879,9 @@ class EvalConfig(Base):
         if self.inference.tensor_parallel != 1:
             raise ValueError(f"inference.tensor_parallel ({self.inference.tensor_parallel}) must be 1: meshrl eval "
                              "runs one engine in one process")
+        if self.inference.prefill_ranks:
+            raise ValueError(f"inference.prefill_ranks ({self.inference.prefill_ranks}) must be 0: meshrl eval runs "
+                             "one engine in one process")
         check_eval_fits(self.eval, self.inference)
         return self
 

@@ -52,8 +52,9 @@ PD = ("--layout.num-inference-ranks", "2", "--inference.prefill-ranks", "1")
 
 
 def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(tmp_path):
-    one = run_rl(tmp_path / "one", "--max-off-policy-steps", "0")
-    pd = run_rl(tmp_path / "pd", "--max-off-policy-steps", "0", *PD)
+    evals = ("--eval.every", "2", "--eval.num-examples", "4")  # evaluation episodes go through the pools too
+    one = run_rl(tmp_path / "one", "--max-off-policy-steps", "0", *evals)
+    pd = run_rl(tmp_path / "pd", "--max-off-policy-steps", "0", *PD, *evals)
     assert [row["step"] for row in pd] == [0, 1, 2]
     sent, received = handoffs(tmp_path / "pd")
     assert sent == received > 0
@@ -62,6 +63,8 @@ def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(t
         assert a["reward/mean"] == b["reward/mean"] and a["rollouts/failed"] == b["rollouts/failed"] == 0
         assert b["mismatch_kl"] <= 1e-6 and b["policy_lag/max"] == 0
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert a.get("eval/reward") == b.get("eval/reward")
+    assert "eval/reward" in pd[1]
     for step in range(3):
         assert samples(tmp_path / "one", step) == samples(tmp_path / "pd", step), step
 

@@ -37,6 +37,13 @@ def test_unsupported_disaggregation_settings_fail_with_one_line(raw, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_meshrl_eval_refuses_it():
+    from meshrl.runtime.config import EvalConfig
+
+    with pytest.raises(ConfigError, match=r"inference.prefill_ranks \(1\) must be 0: meshrl eval runs one engine"):
+        validate(EvalConfig, {"model": MODEL, "inference": {"prefill_ranks": 1}})
+
+
 def test_supported_settings_validate():
     cfg = validate(RLConfig, {"model": MODEL, "inference": {"prefill_ranks": 2}, "layout": {"num_inference_ranks": 3}})
     assert cfg.inference.prefill_ranks == 2
