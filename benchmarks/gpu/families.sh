@@ -6,15 +6,17 @@
 # each through, in this order (FAMILIES_PARTS picks; random weights, bf16):
 #   train   meshrl bench trainer (one row of 8192 tokens, AdamW; tokens/s, MFU, peak memory; a run
 #           that fails, e.g. out of memory, is retried once with --ac full)
-#   engine  meshrl bench engine, native (256 sequences x (128 + 256) tokens: decode tok/s, step ms, memory)
+#   engine  meshrl bench engine, native (256 sequences x (128 + 256) tokens: decode tok/s, step ms, memory;
+#           a run that fails is retried once with --attention torch, which the vllm part then uses too)
 #   vllm    meshrl bench engine --compare vllm (plain_256 through the native engine and through
 #           vLLM, which loads the native engine's weights as an HF folder; only where vLLM imports)
 # Every command runs under `timeout -k 5`, capped by what is left of FAMILIES_BUDGET (540 s from the
 # start of this script; the vLLM part shares what is left equally among its shapes): a command
-# that would get under 20 s is skipped and says so. FAMILIES_ONLY=glm4_moe,qwen3_5 picks shapes. Written as they come:
+# that would get under 20 s is skipped and says so. FAMILIES_ONLY=glm4_moe,qwen3_5 picks shapes;
+# FAMILIES_ATTENTION=torch sets the vllm part's native decode attention (default auto). Written as they come:
 #   $OUT/families.jsonl    one JSON line per result (the command's own, plus part/family/flavor/rc)
 #   $OUT/families.status   one line per command: part family flavor rc seconds
-#   $OUT/<part>_<family>.out / .log   each command's stdout / stderr; $OUT/gpu.txt
+#   $OUT/<part>_<family>[_retry].out / .log   each command's stdout / stderr; $OUT/gpu.txt
 #
 # Device-tool calls (../shared/gpu-host/README.md; run from the project root on the CPU machine
 # first: `../shared/gpu-host/wheels.sh` and `../shared/gpu-host/vllm-bundle.sh`):
@@ -81,6 +83,7 @@ run() {
   # at most CAP, and at most 1/SHARE of what is left (SHARE: commands still to run, this one included)
   local t; t=$(( ($(left) - 5) / share )); t=$(( t < cap ? t : cap ))
   local name="${part}_${family}" begin rc
+  [ -e "$OUT/$name.out" ] && name="${name}_retry"  # a retry keeps the first attempt's files
   if [ "$t" -lt 20 ]; then
     echo "$part $family $flavor skipped (budget: $(left) s left)" | tee -a "$OUT/families.status"
     RC=skip
@@ -112,10 +115,16 @@ for shape in "${SHAPES[@]}"; do
     esac ;;
   esac
 done
+declare -A ATTN  # family -> the decode attention backend its engine run needed
 for shape in "${SHAPES[@]}"; do
   set -- $shape; family=$1; flavor=$2
   case ",$PARTS," in *,engine,*)
-    run engine "$family" "$flavor" $CAP_ENGINE 1 -- engine --family "$family" --flavor "$flavor" "${ENGINE[@]}" ;;
+    run engine "$family" "$flavor" $CAP_ENGINE 1 -- engine --family "$family" --flavor "$flavor" "${ENGINE[@]}"
+    case "$RC" in 0|124|137|skip) ;;  # a crash: once more without the Triton decode kernel
+      *) run engine "$family" "$flavor" $CAP_ENGINE 1 -- engine --family "$family" --flavor "$flavor" \
+           "${ENGINE[@]}" --attention torch
+         [ "$RC" = 0 ] && ATTN[$family]=torch ;;
+    esac ;;
   esac
 done
 todo=${#SHAPES[@]}
@@ -126,7 +135,7 @@ for shape in "${SHAPES[@]}"; do
     # CPU smoke run still drives the command (it says vLLM is missing and runs the native rows)
     if [ "$HAVE_VLLM" = 1 ] || [ "$TINY" = 1 ]; then
       run vllm "$family" "$flavor" $CAP_VLLM $todo -- engine --compare vllm --family "$family" --flavors "$flavor" \
-        "${MATRIX[@]}" --export-dir "$EXPORT_DIR"
+        "${MATRIX[@]}" --export-dir "$EXPORT_DIR" --attention "${ATTN[$family]:-${FAMILIES_ATTENTION:-auto}}"
     else
       echo "vllm $family $flavor skipped (vllm is not importable)" | tee -a "$OUT/families.status"
     fi ;;

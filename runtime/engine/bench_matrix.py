@@ -342,7 +342,7 @@ def run_native(spec: dict, emit, sizes: dict) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     engine = NativeEngine(model, max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], device=device,
                           dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
-                          prefix_sharing=True,
+                          prefix_sharing=True, attention=spec.get("attention", "auto"),
                           cuda_graphs=device.type == "cuda", seed=spec["seed"])
     settings = {"prefix_sharing": engine.prefix_sharing, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
                 "max_num_seqs": spec["max_num_seqs"], "max_num_batched_tokens": PREFILL_TOKENS,
@@ -532,6 +532,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     p.add_argument("--vllm-timeout", type=float, default=420.0, help="seconds for one shape's vLLM child")
     p.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="rows of both engines")
+    p.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto",
+                   help="the native engine's decode attention backend")
     p.add_argument("--export-dir", default=None, help="where the model folder for vLLM is written (a temporary "
                                                       "folder inside it, removed after the shape; default: the "
                                                       "system's temporary directory)")
@@ -553,7 +555,7 @@ def _spec(opts: argparse.Namespace, flavor: str, workloads: list[str], dtype: to
     blocks = max((w.concurrency or len(w.prompts)) * w.n * (max_model_len // 16) for w in made) + 1
     return {"family": opts.family, "flavor": flavor, "dtype": str(dtype).removeprefix("torch."),
             "device": opts.device, "seed": opts.seed, "scale": opts.scale, "batch_scale": opts.batch_scale,
-            "workloads": workloads, "max_num_seqs": opts.max_num_seqs,
+            "workloads": workloads, "max_num_seqs": opts.max_num_seqs, "attention": opts.attention,
             "max_model_len": max_model_len, "gpu_memory_utilization": opts.gpu_memory_utilization,
             "num_blocks": None if opts.device == "cuda" else 2 * blocks}
 
