@@ -162,8 +162,8 @@ class InferenceRank:
     def _stop(self) -> None:
         self.beat.close()
         # Every dispatched step is trained before the controller says stop, so nothing should be live.
-        if self.engine.has_work():
-            log.warning("stopping with requests still live; they are dropped")
+        if self.engine.has_work() or (self.prefill is not None and self.prefill.parked):
+            log.warning("stopping with requests still live (or prefilled and not handed off); they are dropped")
         if self.prefill is not None:
             log.info("prefill replica: handed %d sequences off to decode replicas", self.prefill.num_handed_off)
         if self.decode is not None:

@@ -228,8 +228,8 @@ CACHES = {
 }
 
 
-def make_cache(kind: str, seed: int) -> KVCache:
-    kv = KVCache([0, 1], 8, 4, 2, dtype=torch.float32, device=torch.device("cpu"), **CACHES[kind])
+def make_cache(kind: str, seed: int, device: str = "cpu") -> KVCache:
+    kv = KVCache([0, 1], 8, 4, 2, dtype=torch.float32, device=torch.device(device), **CACHES[kind])
     g = torch.Generator().manual_seed(seed)
     for t, _ in kv.storages():
         if t.dtype == torch.uint8:
@@ -239,19 +239,31 @@ def make_cache(kind: str, seed: int) -> KVCache:
     return kv
 
 
-def _transfer_job(rank, world_size, out):
-    group = dist.new_group([0, 1])
+def _transfer_job(rank, world_size, out, device="cpu"):
+    group = dist.new_group([0, 1], backend="nccl" if device == "cuda" else "gloo")
     for kind in CACHES:
-        kv = make_cache(kind, seed=rank)
+        kv = make_cache(kind, seed=rank, device=device if device == "cpu" else f"cuda:{rank}")
         if rank == 0:
             send_blocks(kv, [5, 2, 7, 3], group, 1, chunk=3)  # two chunks
         else:
             recv_blocks(kv, cache_spec(make_cache(kind, 0)), [1, -1, 6, 4], group, 0, chunk=3)  # block 2 dropped
-            torch.save([t.clone() for t, _ in kv.storages()], out / f"{kind}.pt")
+            torch.save([t.cpu().clone() for t, _ in kv.storages()], out / f"{kind}.pt")
 
 
 def test_kv_blocks_arrive_bit_for_bit(tmp_path):
     run_ranks(_transfer_job, 2, tmp_path)
+    check_transfer(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_kv_blocks_arrive_bit_for_bit_over_nccl(tmp_path):
+    """The same code on two GPUs: the kv group is NCCL there (not run on the CPU machine)."""
+    run_ranks(_transfer_job, 2, tmp_path, "cuda", backend="cpu:gloo,cuda:nccl")
+    check_transfer(tmp_path)
+
+
+def check_transfer(tmp_path) -> None:
     for kind in CACHES:
         sent, before = make_cache(kind, 0), make_cache(kind, 1)
         got = torch.load(tmp_path / f"{kind}.pt")
