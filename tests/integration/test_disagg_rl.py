@@ -25,7 +25,7 @@ ENVS = '{envs=[{name="alphabet-sort", min_word_len=1, max_word_len=2}, ' \
 
 def run_rl(run: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "meshrl.runtime.cli", "rl", "--model.flavor", "tiny", "--model.tokenizer", "char",
-           "--env", ENVS, "--max-steps", "3", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+           "--env", ENVS, "--prompts-per-step", "4", "--samples-per-prompt", "4",
            "--inference.max-model-len", "96", "--inference.sampling.max-tokens", "10",
            "--trainer.micro-batch-tokens", "512", "--dist.device", "cpu", "--log.console", "false",
            "--log.samples-per-step", "16", "--output-dir", str(run), *extra]
@@ -53,9 +53,9 @@ PD = ("--layout.num-inference-ranks", "2", "--inference.prefill-ranks", "1")
 
 def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(tmp_path):
     evals = ("--eval.every", "2", "--eval.num-examples", "4")  # evaluation episodes go through the pools too
-    one = run_rl(tmp_path / "one", "--max-off-policy-steps", "0", *evals)
-    pd = run_rl(tmp_path / "pd", "--max-off-policy-steps", "0", *PD, *evals)
-    assert [row["step"] for row in pd] == [0, 1, 2]
+    one = run_rl(tmp_path / "one", "--max-steps", "2", "--max-off-policy-steps", "0", *evals)
+    pd = run_rl(tmp_path / "pd", "--max-steps", "2", "--max-off-policy-steps", "0", *PD, *evals)
+    assert [row["step"] for row in pd] == [0, 1]
     sent, received = handoffs(tmp_path / "pd")
     assert sent == received > 0
     assert max(row["env/multiturn-sort/turns"] for row in pd) > 1  # continuations ran on the decode replica
@@ -65,12 +65,12 @@ def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(t
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert a.get("eval/reward") == b.get("eval/reward")
     assert "eval/reward" in pd[1]
-    for step in range(3):
+    for step in range(2):
         assert samples(tmp_path / "one", step) == samples(tmp_path / "pd", step), step
 
 
 def test_asynchronous_rl_with_weight_updates_in_flight(tmp_path):
-    rows = run_rl(tmp_path / "pd", "--max-off-policy-steps", "1", *PD)
+    rows = run_rl(tmp_path / "pd", "--max-steps", "3", "--max-off-policy-steps", "1", *PD)
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert all(row["policy_lag/max"] <= 1 and row["rollouts/failed"] == 0 for row in rows)
     assert rows[-1]["weights/version"] == 3
