@@ -7,7 +7,9 @@ them, per decode replica, in one PREFILLED message. A decode replica's `DecodeRo
 takes that description and the blocks and puts the sequences into its scheduler exactly as a
 single engine holds them right after a prefill (and its forks): running, not yet decoding, the
 prompt's blocks shared copy-on-write between the samples of one prompt, full blocks registered in
-the prefix cache when their k/v are of the replica's current weight version. It then decodes them
+the prefix cache when their k/v are of the replica's current weight version (and leading full
+blocks that prefix cache already holds, e.g. a shared system prompt, taken from it instead of
+stored twice: the received copy is dropped). It then decodes them
 like any other sequence: same rows, preemption (a preempted sequence is recomputed on the decode
 replica itself), stop rules, per-token versions.
 
@@ -59,7 +61,7 @@ from tensordict import TensorDict
 
 from meshrl.runtime import protocol
 from meshrl.runtime.engine.api import Completion, Request, SamplingParams
-from meshrl.runtime.engine.kv_cache import KVCache
+from meshrl.runtime.engine.kv_cache import KVCache, block_hashes
 from meshrl.runtime.engine.native import NativeEngine
 from meshrl.runtime.engine.sequence import Sequence
 from meshrl.runtime.transport import Message
@@ -227,8 +229,8 @@ def _detach(scheduler, seq: Sequence) -> None:
 
 
 class DecodeRole:
-    """A decode replica: `receive(msg, group)` takes one RECV_KV message (a prefill replica's
-    PREFILLED data, `msg.meta["src"]` its rank) and that handoff's blocks into the engine."""
+    """A decode replica: `receive(msg)` takes one RECV_KV message (a prefill replica's PREFILLED
+    data, `msg.meta["src"]` its rank) and that handoff's blocks into the engine, over `group`."""
 
     def __init__(self, engine: NativeEngine, group: dist.ProcessGroup | None) -> None:
         _check_engine(engine)
@@ -237,40 +239,59 @@ class DecodeRole:
         """Sequences received so far."""
         self.num_recomputed = 0
         """Received sequences that found no row or blocks and wait to be recomputed here."""
+        self.num_cached_blocks = 0
+        """Leading full blocks of received sequences taken from this replica's prefix cache (a block
+        the handoff also carries is then not stored again)."""
 
     def receive(self, msg: Message) -> None:
         engine, meta = self.engine, msg.meta
-        scheduler, blocks = engine.scheduler, engine.blocks
+        scheduler = engine.scheduler
         seqs, tables = _sequences(msg.data, meta["sampling"])
-        into = [-1] * meta["num_blocks"]
-        rows_left = len(scheduler.free_rows)
-        taken: list[tuple[Sequence, list[int]]] = []
+        use = [-1] * meta["num_blocks"]  # distinct block j -> the block of this cache that holds it
+        into = [-1] * meta["num_blocks"]  # distinct block j -> where its received data goes (-1: dropped)
+        taken = 0
         for seq, table in zip(seqs, tables):
             if max(seq.versions, default=0) > scheduler.version:
                 raise RuntimeError(f"KV handoff of request {seq.request.request_id} sampled with weights "
                                    f"v{max(seq.versions)} reached a decode replica at v{scheduler.version}")
-            new = [j for j in table if into[j] < 0]
-            if rows_left and blocks.num_free >= len(new):
-                rows_left -= 1
-                for j in new:
-                    into[j] = blocks.allocate()
-                for j in table:
-                    if j not in new:
-                        blocks.incref(into[j])
-                taken.append((seq, table))
-        recv_blocks(engine.kv, meta["spec"], into, self.group, meta["src"], meta["chunk"])
-        adopted = {id(seq) for seq, _ in taken}
-        for seq, table in taken:
-            seq.table = [into[j] for j in table]
-            seq.num_computed = len(seq.tokens) - 1
-            scheduler._take_row(seq)  # noqa: SLF001 - as a prefill's fork takes a row
-            scheduler._register(seq)  # noqa: SLF001 - only k/v of the current version are registered
-        for seq in seqs:
             scheduler.live.setdefault(seq.request.request_id, []).append(seq)
-            if id(seq) not in adopted:
+            if self._adopt(seq, table, use, into):
+                taken += 1
+            else:
                 scheduler.waiting.append(seq)  # recomputed here when admitted, like a preempted sequence
+        recv_blocks(engine.kv, meta["spec"], into, self.group, meta["src"], meta["chunk"])
         self.num_received += len(seqs)
-        self.num_recomputed += len(seqs) - len(taken)
+        self.num_recomputed += len(seqs) - taken
+
+    def _adopt(self, seq: Sequence, table: list[int], use: list[int], into: list[int]) -> bool:
+        """Put one received sequence into the scheduler if a row and blocks are free (its data arrives
+        before the next step): its leading full blocks found in the prefix cache are shared, as a
+        single engine's admission shares them, the others are the blocks received for it (allocated
+        here, or shared with an earlier sequence of the handoff). False: no room."""
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        if not scheduler.free_rows:
+            return False
+        num_computed = len(seq.tokens) - 1
+        matched: list[int] = []
+        if scheduler.prefix_sharing and seq.cache_version == scheduler.version:
+            seq.hashes = block_hashes(seq.tokens, blocks.block_size, num_computed // blocks.block_size)
+            matched = blocks.match(seq.hashes, seq.tokens)
+        rest = table[len(matched):]
+        if blocks.num_free < sum(use[j] < 0 for j in rest):
+            blocks.hits -= len(matched)
+            blocks.release(matched)
+            return False
+        for j in rest:
+            if use[j] < 0:
+                use[j] = into[j] = blocks.allocate()
+            else:
+                blocks.incref(use[j])
+        seq.table = matched + [use[j] for j in rest]
+        seq.num_computed, seq.num_registered = num_computed, len(matched)
+        self.num_cached_blocks += len(matched)
+        scheduler._take_row(seq)  # noqa: SLF001 - as a prefill's fork takes a row
+        scheduler._register(seq)  # noqa: SLF001 - only k/v of the current version are registered
+        return True
 
 
 def _sequences(td: TensorDict, sampling: list[dict]) -> tuple[list[Sequence], list[list[int]]]:

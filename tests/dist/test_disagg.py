@@ -166,7 +166,7 @@ def _decode(name, kv, ctl, sync, out) -> None:
     engine.add(continuation(done))  # routed to the replica that holds the episode's cache
     while engine.has_work():
         done += engine.step()
-    stats = {"preemptions": engine.num_preemptions, "received": role.num_received,
+    stats = {"preemptions": engine.num_preemptions, "received": role.num_received, "cached": role.num_cached_blocks,
              "continuation_prefill": engine.num_prefill_tokens - before, "hits": engine.blocks.hits}
     torch.save((rows(done), stats), out / f"{name}-decode.pt")
 
@@ -208,6 +208,10 @@ def check_scenario(tmp_path, name: str) -> None:
     assert stats["received"] == 12 * (2 if name == "update" else 1)
     if name == "plain":  # the continuation found the received and decoded blocks in the prefix cache
         assert 0 < stats["continuation_prefill"] == ref_continuation < 13 + 6 + 3, stats
+        # leading full blocks taken from the decode replica's prefix cache at receipt: request 6 extends
+        # request 0's prompt (3), 7 repeats 3's (2), 10 repeats 2's (1), and the other samples of 7 (2 x 2)
+        # and of 10 (2 x 1) find theirs there too, registered by their first sample just before
+        assert stats["cached"] == 3 + 2 + 1 + 4 + 2, stats
     if name == "update":  # k/v of v0 are never cached under v1: one engine recomputes it all too
         assert stats["continuation_prefill"] == ref_continuation == 13 + 6 + 3, stats
     if name == "preempt":
