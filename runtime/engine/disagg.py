@@ -7,11 +7,10 @@ them, per decode replica, in one PREFILLED message. A decode replica's `DecodeRo
 takes that description and the blocks and puts the sequences into its scheduler exactly as a
 single engine holds them right after a prefill (and its forks): running, not yet decoding, the
 prompt's blocks shared copy-on-write between the samples of one prompt, full blocks registered in
-the prefix cache when their k/v are of the replica's current weight version (and leading full
-blocks that prefix cache already holds, e.g. a shared system prompt, taken from it instead of
-stored twice: the received copy is dropped). It then decodes them
-like any other sequence: same rows, preemption (a preempted sequence is recomputed on the decode
-replica itself), stop rules, per-token versions.
+the prefix cache when their k/v are of the replica's current weight version (leading full blocks
+that prefix cache already holds, e.g. a shared system prompt, are taken from it and the received
+copies dropped). It then decodes them like any other sequence: same rows, preemption (a preempted
+sequence is recomputed on the decode replica itself), stop rules, per-token versions.
 
     prefill replica                          controller                       decode replica
     GENERATE (meta decode = D) --> add
@@ -41,8 +40,8 @@ those blocks are never registered in the prefix cache.
 Room. A sequence is taken only when the decode replica has a free row and blocks for it; otherwise
 its blocks are received and dropped, and it waits as a preempted sequence does (tokens kept,
 recomputed on the decode replica when admitted). Sampling is counter-based on (seed, token index)
-(runtime/engine/sampling.py), and the seed travels with the sequence, so the replica that samples
-a token never changes it.
+(runtime/engine/sampling.py), and the seed travels with the sequence, so which replica samples a
+token does not change the draw.
 
 Not supported (refused by the config): tensor-parallel replicas, the vLLM backend, the colocated
 layout; models with linear-attention layers (their per-row recurrent state would have to travel
