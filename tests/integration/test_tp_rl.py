@@ -45,6 +45,7 @@ def test_rl_with_a_tensor_parallel_replica_is_on_policy(tmp_path):
     assert rows[-1]["weights/version"] == 3
 
 
+@pytest.mark.heavy  # 6 processes, ~35 s on a 2-core CPU; the on-policy test above covers TP's weight path
 def test_two_tensor_parallel_replicas_asynchronously(tmp_path):
     rows = run_rl(tmp_path, "--layout.num-inference-ranks", "4", "--max-off-policy-steps", "1")
     assert [row["step"] for row in rows] == [0, 1, 2]
