@@ -92,6 +92,7 @@ def _out_of_order(rank, world_size):
             receiver.receive(2)
 
 
+@pytest.mark.heavy  # 3 gloo ranks for one assertion; the version protocol runs in every colocated RL test
 def test_an_unexpected_version_raises():
     run_ranks(_out_of_order, 3)
 

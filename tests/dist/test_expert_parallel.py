@@ -115,6 +115,7 @@ def _ep_vs_single_process(rank: int, world_size: int) -> None:
         apply_expert_parallel(odd, mesh)
 
 
+@pytest.mark.heavy  # the EP all-to-all without FSDP; the FSDP2 case below runs by default
 def test_expert_parallel_matches_single_process():
     run_ranks(_ep_vs_single_process, 2)
 

@@ -6,6 +6,7 @@ of requests in flight, and tokens sampled after the sync record the new version.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -117,6 +118,7 @@ def _colocated(rank, world_size, out):
         receiver.close()
 
 
+@pytest.mark.heavy  # the colocated buffer's FP8 load; the split layout's case runs by default
 def test_colocated_sync_into_an_fp8_engine_equals_quantise_of_the_trainer(tmp_path):
     run_ranks(_colocated, 3, tmp_path)
     for version in (1, 2):

@@ -6,6 +6,7 @@ adapters are in AdamW. "Bit for bit" is against `merge_weight` of the same adapt
 process, cast to the sync dtype.
 """
 
+import pytest
 import torch
 
 from meshrl.models.common.lora import LoRALinear, merge_weight
@@ -120,6 +121,7 @@ def _colocated_job(rank, world_size, out):
         receiver.close()
 
 
+@pytest.mark.heavy  # the merged weights' path is the split test's; this adds the colocated buffer
 def test_colocated_engines_get_the_merged_weights_bit_for_bit(tmp_path):
     run_ranks(_colocated_job, 5, tmp_path)
     engines = sorted(tmp_path.glob("engine*_v*.pt"))

@@ -29,12 +29,18 @@ SEQ_LEN = 96
 FAMILIES = ["glm4_moe", "minimax_m2", "deepseek_v3", "gpt_oss", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"]
 # Linear-attention families refuse context parallelism (before launch: tests/unit/test_qwen3_next.py).
 CP_FAMILIES = [f for f in FAMILIES if "no_cp" not in get_family(f).parallel_plan]
-# their EP step runs ~5 minutes on a 2-core CPU (the chunked delta rule on every rank)
-EP_FAMILIES = [pytest.param(f, marks=pytest.mark.heavy) if f in ("qwen3_next", "qwen3_5_moe") else f for f in FAMILIES]
-# hub folder -> FSDP + EP shards: the default run keeps one family per key-map kind (per-expert +
-# fused, Mixtral names, packed gpt-oss tensors, MLA); the rest run with `-m heavy`
-HUB_FAMILIES = [f if f in ("glm4_moe", "minimax_m2", "gpt_oss", "deepseek_v3") else pytest.param(f, marks=pytest.mark.heavy)
-                for f in FAMILIES]
+# What the default run (CI, 2 cores) keeps; everything else runs with `-m heavy`. The default keeps
+# deepseek_v3, whose MoE (sigmoid router, correction bias, grouped top-k, shared experts) is
+# glm4_moe's and glm_moe_dsa's and whose MLA is their attention too; the end-to-end EP RL jobs of
+# gpt_oss and qwen3_next (tests/integration/test_moe_families_rl.py) run by default as well.
+# The linear-attention families' EP step runs ~5 minutes on a 2-core CPU (the chunked delta rule).
+AC_VARIANTS = [("full", False, "full-ac"), ("selective", False, "selective-ac"),
+               ("selective", True, "selective-ac-compile")]  # compile: ~2.5 min, both ranks run inductor
+EP_CASES = [pytest.param(f, ac, compile, id=f"{f}-{name}",
+                         marks=() if (f, name) == ("deepseek_v3", "full-ac") else pytest.mark.heavy)
+            for f in FAMILIES for ac, compile, name in AC_VARIANTS]
+# hub folder -> FSDP + EP shards: one per key-map kind runs by default (MLA + per-expert keys)
+HUB_FAMILIES = [f if f == "deepseek_v3" else pytest.param(f, marks=pytest.mark.heavy) for f in FAMILIES]
 
 
 def make_model(family: str):
@@ -72,12 +78,7 @@ def _job(rank, world_size, family, ac, compile, out, cp=1):
         torch.save({"params": full, "stats": stats}, out / "trainer.pt")
 
 
-@pytest.mark.parametrize("ac, compile", [
-    ("full", False),
-    ("selective", False),
-    pytest.param("selective", True, marks=pytest.mark.slow),  # ~2.5 min: both ranks compile with inductor
-], ids=["full-ac", "selective-ac", "selective-ac-compile"])
-@pytest.mark.parametrize("family", EP_FAMILIES)
+@pytest.mark.parametrize("family, ac, compile", EP_CASES)
 def test_expert_parallel_step_equals_single_process(tmp_path, family, ac, compile):
     run_ranks(_job, 2, family, ac, compile, tmp_path)
     got = torch.load(tmp_path / "trainer.pt")
@@ -94,7 +95,8 @@ def test_expert_parallel_step_equals_single_process(tmp_path, family, ac, compil
     assert got["stats"]["moe/load_max"] >= 1.0 >= got["stats"]["moe/load_min"] >= 0.0
 
 
-@pytest.mark.parametrize("family", CP_FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "deepseek_v3" else pytest.param(f, marks=pytest.mark.heavy)
+                                    for f in CP_FAMILIES])
 def test_context_parallel_step_equals_single_process(tmp_path, family):
     """cp 2: each packed row split over two ranks (MLA's narrower v included)."""
     run_ranks(_job, 2, family, "none", False, tmp_path, 2)

@@ -70,8 +70,9 @@ def reference_step(family: str):
 
 
 @pytest.mark.parametrize("world_size, family, degrees, ac, ac_every", [
-    (4, "qwen3", dict(dp_replicate=2, dp_shard=2), "none", 1),
-    (4, "qwen3", dict(dp_shard=2, cp=2), "selective", 1),
+    # heavy: HSDP is in the MoE HSDP case below, cp 2 in test_context_parallel.py
+    pytest.param(4, "qwen3", dict(dp_replicate=2, dp_shard=2), "none", 1, marks=pytest.mark.heavy),
+    pytest.param(4, "qwen3", dict(dp_shard=2, cp=2), "selective", 1, marks=pytest.mark.heavy),
     (2, "qwen3", dict(dp_shard=2), "full", 2),
     (2, "qwen3_moe", dict(dp_shard=2, ep=2), "full", 1),
     (4, "qwen3_moe", dict(dp_replicate=2, dp_shard=2, ep=2), "selective", 1),

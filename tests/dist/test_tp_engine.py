@@ -116,6 +116,7 @@ def assert_same(got: list[tuple], ref: list[tuple], what: str) -> None:
         assert g[3] == pytest.approx(r[3], abs=1e-5), f"{what}: request {g[0]} logprobs"
 
 
+@pytest.mark.heavy  # ~25 s on 2 cores; TP's on-policy RL job (tests/integration/test_tp_rl.py) runs by default
 def test_tp_engine_equals_single_process_engine(tmp_path):
     run_ranks(_engine_job, 2, tmp_path)
     for family in FAMILIES:
@@ -151,6 +152,7 @@ def _sync_job(rank, world_size, out):
         torch.save(as_rows(run(engine, scenario(), swap)), out / f"{family}-rank{rank}.pt")
 
 
+@pytest.mark.heavy
 def test_weight_update_through_tp_slices_equals_full_load(tmp_path):
     run_ranks(_sync_job, 3, tmp_path)
     for family in FAMILIES:
