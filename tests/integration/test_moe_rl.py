@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RL = str(ROOT / "configs/reverse_text/rl.toml")
 
-pytestmark = pytest.mark.slow
+# heavy: the per-family EP RL jobs (test_moe_families_rl.py) run the same path by default
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def test_moe_rl_with_expert_parallel_is_on_policy(tmp_path):
