@@ -40,6 +40,10 @@ def preflight(cfg: RLConfig) -> None:
         from meshrl.runtime.engine.build import check_tensor_parallel_model
 
         check_tensor_parallel_model(cfg.inference, cfg.model)
+    if cfg.inference.prefill_ranks:  # a model whose layers keep recurrent state cannot hand sequences off
+        from meshrl.runtime.engine.build import check_disaggregated_model
+
+        check_disaggregated_model(cfg.inference, cfg.model)
     launching.check_world_size(cfg)
     if "WORLD_SIZE" not in os.environ:  # the launcher; under torchrun, rank 0 decides (decide_resume)
         ckpt.check_resume(cfg, "rl")

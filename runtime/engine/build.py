@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshrl.models.common import fp8
+from meshrl.models.hf import read_hf_config
 from meshrl.parallel.tensor_parallel import check_tensor_parallel, shard_for_inference
 from meshrl.runtime.config import InferenceConfig, ModelConfig
 from meshrl.runtime.engine.api import InferenceEngine
@@ -67,3 +68,19 @@ def check_tensor_parallel_model(inf: InferenceConfig, model_cfg: ModelConfig) ->
     ways (a family without a plan, heads or FFN width not divisible); nothing to check at 1."""
     if inf.tensor_parallel > 1:
         check_tensor_parallel(policy_skeleton(model_cfg)[0], inf.tensor_parallel)
+
+
+def check_disaggregated_model(inf: InferenceConfig, model_cfg: ModelConfig) -> None:
+    """ValueError before any process starts when inference.prefill_ranks > 0 and the model has
+    linear-attention layers (Qwen3-Next, Qwen3.5): their per-row recurrent state would have to
+    travel with the KV blocks (runtime/engine/disagg.py); nothing to check at 0. Read from the
+    model's args on the meta device (its `layer_types`, HF's field), no weights."""
+    if not inf.prefill_ranks:
+        return
+    _, _, args, path = policy_skeleton(model_cfg)
+    linear = sum(t == "linear_attention" for t in getattr(args, "layer_types", ()) or ())
+    if linear:
+        model_type = model_cfg.family if path is None else read_hf_config(path).get("model_type")
+        raise ValueError(f"inference.prefill_ranks ({inf.prefill_ranks}) > 0 is not supported for the {model_type} "
+                         f"model: its {linear} linear-attention layers keep a per-sequence recurrent state that does "
+                         "not travel with the KV blocks (set inference.prefill_ranks = 0)")

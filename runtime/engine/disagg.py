@@ -26,7 +26,7 @@ token), the logprobs and versions of its generated tokens, and its block table a
 the handoff's list of distinct blocks (the samples of one prompt share them); in meta the
 handoff id, the decode rank, each sequence's SamplingParams, the number of distinct blocks, the
 chunk size of the transfer and the cache's geometry (`cache_spec`), which the receiver checks
-against its own before it receives anything.
+against its own before it takes a row or a block or receives anything.
 
 Ordering. Both sides apply controller messages in order between engine steps, and the controller
 sends SEND_KV / RECV_KV in one handler, as it sends LOAD_WEIGHTS to every inference rank in one
@@ -45,7 +45,8 @@ token does not change the draw.
 
 Not supported (refused by the config): tensor-parallel replicas, the vLLM backend, the colocated
 layout; models with linear-attention layers (their per-row recurrent state would have to travel
-too; refused when the engine is built). The rest of the engine (FP8 weights or cache, MLA latent
+too; refused by the launcher's pre-flight check from the model's layer types, and again when a
+role is built over such an engine). The rest of the engine (FP8 weights or cache, MLA latent
 caches, sliding windows) needs nothing here: the blocks travel as the cache stores them.
 """
 
@@ -101,11 +102,7 @@ def recv_blocks(kv: KVCache, spec: list[list], into: list[int], group: dist.Proc
     """Receive `len(into)` blocks sent by `send_blocks` from global rank `src`; block i goes to cache
     block into[i], or is dropped when into[i] < 0. ValueError (before anything is received) if the
     sender's cache geometry `spec` is not this cache's."""
-    mine = cache_spec(kv)
-    if spec != mine:
-        raise ValueError(f"KV handoff: the prefill replica's cache blocks are {spec} ([shape, dtype] per storage "
-                         f"tensor) but this decode replica's are {mine}: both pools must run the same model and "
-                         "inference settings")
+    check_spec(kv, spec)
     if not into:
         return
     device = kv.storages()[0][0].device
@@ -121,6 +118,15 @@ def recv_blocks(kv: KVCache, spec: list[list], into: list[int], group: dist.Proc
             dist.recv(buf, src=src, group=group)
             if keep:
                 t.index_copy_(d, dst_index, buf.index_select(d, src_index))
+
+
+def check_spec(kv: KVCache, spec: list[list]) -> None:
+    """ValueError if the sender's cache geometry `spec` (`cache_spec`) is not this cache's."""
+    mine = cache_spec(kv)
+    if spec != mine:
+        raise ValueError(f"KV handoff: the prefill replica's cache blocks are {spec} ([shape, dtype] per storage "
+                         f"tensor) but this decode replica's are {mine}: both pools must run the same model and "
+                         "inference settings")
 
 
 def _check_engine(engine: NativeEngine) -> None:
@@ -243,16 +249,21 @@ class DecodeRole:
         the handoff also carries is then not stored again)."""
 
     def receive(self, msg: Message) -> None:
+        """Take a handoff (class docstring). Before this replica's state changes or any block is
+        received: ValueError if the sender's cache geometry differs from this replica's,
+        RuntimeError if a token of the handoff is newer than this replica's weights."""
         engine, meta = self.engine, msg.meta
+        check_spec(engine.kv, meta["spec"])
         scheduler = engine.scheduler
         seqs, tables = _sequences(msg.data, meta["sampling"])
         use = [-1] * meta["num_blocks"]  # distinct block j -> the block of this cache that holds it
         into = [-1] * meta["num_blocks"]  # distinct block j -> where its received data goes (-1: dropped)
-        taken = 0
-        for seq, table in zip(seqs, tables):
+        for seq in seqs:
             if max(seq.versions, default=0) > scheduler.version:
                 raise RuntimeError(f"KV handoff of request {seq.request.request_id} sampled with weights "
                                    f"v{max(seq.versions)} reached a decode replica at v{scheduler.version}")
+        taken = 0
+        for seq, table in zip(seqs, tables):
             scheduler.live.setdefault(seq.request.request_id, []).append(seq)
             if self._adopt(seq, table, use, into):
                 taken += 1

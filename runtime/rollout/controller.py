@@ -542,7 +542,9 @@ class Controller:
                 raise TimeoutError(f"ranks {sorted(waiting)} did not finish within {self.cfg.dist.timeout_s}s")
             if msg.kind == Kind.DONE:
                 waiting.discard(msg.src)
-            elif msg.kind in (Kind.COMPLETIONS, Kind.WEIGHTS, Kind.EPISODE):
-                continue  # late messages of the last step; nothing left to train on
+            elif msg.kind in (Kind.COMPLETIONS, Kind.WEIGHTS, Kind.EPISODE, Kind.PREFILLED):
+                # late messages of the last step; nothing left to train on (a handoff relayed now
+                # would make send_kv / recv_kv wait on ranks that were told to stop)
+                continue
             else:
                 self._handle(msg)

@@ -2,10 +2,14 @@
 
 Rank 0 is a prefill replica, rank 1 a decode replica (rank 2 plays trainer rank 0 when weights
 change). Their completions and per-token versions must equal one engine's given the same seeds, and
-their logprobs up to the fp32 rounding of differently batched forwards (1e-5): n > 1 forks and identical prompts back to back, a prompt extending another, a request that
-ends at its first token, a multi-turn continuation on the decode replica (which must prefill only
-the new tokens), a decode replica so small that it preempts, and a weight update in flight.
-Plus the KV block transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches.
+their logprobs up to the fp32 rounding of differently batched forwards (1e-5): n > 1 forks and
+identical prompts back to back, a prompt extending another, a request that ends at its first token,
+a multi-turn continuation on the decode replica (which must prefill only the new tokens), a decode
+replica so small that it preempts, one with too few rows for a handoff (it drops the received blocks
+and recomputes those sequences), a weight update in flight, and handoffs older than the decode
+replica's weights. Neither replica may end with a block still referenced. Plus the KV block
+transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches (before the decode
+replica's state changes).
 """
 
 from __future__ import annotations
@@ -64,11 +68,16 @@ def continuation(done: list[Completion]) -> Request:
     return Request(100, continuation_ids(first, [5, 6, 7]), SamplingParams(temperature=0.0, max_tokens=6))
 
 
-SCENARIOS = {
+SCENARIOS = {  # the decode replica's engine settings
     "plain": {},
     "preempt": {"num_blocks": 21},  # the decode replica's cache: it must preempt running sequences
+    "rows": {"max_num_seqs": 3},  # fewer rows than one handoff's sequences: the rest are recomputed
     "update": {},
+    # weights change on both replicas after the prefill step, before the decode replica receives:
+    # every handoff is older than its weights (one engine: the update right after its prefill step)
+    "stale": {},
 }
+UPDATE_AT = {"update": 1 + DECODE_STEPS_BEFORE_UPDATE, "stale": 1}  # one engine's step count at the swap
 
 
 def rows(completions: list[Completion]) -> list[tuple]:
@@ -86,7 +95,12 @@ def swap_in(engine: NativeEngine, new) -> None:
 
 
 def reference(name: str) -> tuple[list[tuple], int]:
-    """One engine on the same requests -> (completions, prompt tokens the continuation computed)."""
+    """One engine on the same requests -> (completions, prompt tokens the continuation computed).
+
+    "update": the weights change after its prefill step and 3 decode steps (the decode replica's 3
+    steps), and a second wave arrives with them. "stale": they change right after its prefill step,
+    before any decode step: the prompts' k/v (and the first tokens, sampled by that prefill) are v0,
+    every later token is sampled with v1, and no v0 block is ever reused from the prefix cache."""
     engine = make_engine(make_model())
     for r in wave(0, seed=0):
         engine.add(r)
@@ -94,9 +108,9 @@ def reference(name: str) -> tuple[list[tuple], int]:
     assert not engine.scheduler.waiting, "the first wave must be prefilled in one step (the update test aligns on it)"
     steps = 1
     while engine.has_work():
-        if name == "update" and steps == 1 + DECODE_STEPS_BEFORE_UPDATE:
+        if steps == UPDATE_AT.get(name):
             swap_in(engine, make_model(seed=1))
-            for r in wave(50, seed=1):
+            for r in wave(50, seed=1) if name == "update" else []:
                 engine.add(r)
         done += engine.step()
         engine.check()
@@ -132,10 +146,14 @@ def _prefill(name, kv, ctl, sync, out) -> None:
             finished, handoffs = role.step()
             done += finished
             role.engine.check()
+            if name == "stale" and handoffs:  # both replicas load v1 before the decode replica receives
+                weight_sync.receive_weights(role.engine.model, sync, 2, torch.float32, 0.01, torch.device("cpu"))
+                role.engine.set_version(1)
             for msg in handoffs:
                 transport.send(msg, 1, ctl)
                 role.send(msg.meta["handoff"])
     assert not role.parked and role.num_handed_off > 0
+    assert not any(role.engine.blocks.ref[1:]), f"{name}: the prefill replica leaks blocks"
     transport.send(Message("end"), 1, ctl)
     torch.save(rows(done), out / f"{name}-prefill.pt")
 
@@ -145,6 +163,9 @@ def _decode(name, kv, ctl, sync, out) -> None:
     engine = role.engine
     inbox = transport.Inbox(last_kinds=("end",))
     inbox.listen(0, ctl, "prefill")
+    if name == "stale":  # v1 before the first handoff arrives
+        weight_sync.receive_weights(engine.model, sync, 2, torch.float32, 0.01, torch.device("cpu"))
+        engine.set_version(1)
     done, steps, ended = [], 0, False
     while not ended or engine.has_work():
         messages = inbox.drain() if engine.has_work() else [inbox.get(timeout=120)]
@@ -166,8 +187,10 @@ def _decode(name, kv, ctl, sync, out) -> None:
     engine.add(continuation(done))  # routed to the replica that holds the episode's cache
     while engine.has_work():
         done += engine.step()
+    assert not any(engine.blocks.ref[1:]), f"{name}: the decode replica leaks blocks"
     stats = {"preemptions": engine.num_preemptions, "received": role.num_received, "cached": role.num_cached_blocks,
-             "continuation_prefill": engine.num_prefill_tokens - before, "hits": engine.blocks.hits}
+             "continuation_prefill": engine.num_prefill_tokens - before, "hits": engine.blocks.hits,
+             "recomputed": role.num_recomputed}
     torch.save((rows(done), stats), out / f"{name}-decode.pt")
 
 
@@ -179,7 +202,7 @@ def _job(rank, world_size, out):
             _prefill(name, kv, ctl, sync, out)
         elif rank == 1:
             _decode(name, kv, ctl, sync, out)
-        elif name == "update":
+        elif name in UPDATE_AT:
             weight_sync.send_weights(make_model(seed=1), sync, 2, torch.float32, 0.01, torch.device("cpu"))
 
 
@@ -212,10 +235,15 @@ def check_scenario(tmp_path, name: str) -> None:
         # request 0's prompt (3), 7 repeats 3's (2), 10 repeats 2's (1), and the other samples of 7 (2 x 2)
         # and of 10 (2 x 1) find theirs there too, registered by their first sample just before
         assert stats["cached"] == 3 + 2 + 1 + 4 + 2, stats
-    if name == "update":  # k/v of v0 are never cached under v1: one engine recomputes it all too
+    if name in UPDATE_AT:  # k/v of v0 are never cached under v1: one engine recomputes it all too
         assert stats["continuation_prefill"] == ref_continuation == 13 + 6 + 3, stats
     if name == "preempt":
         assert stats["preemptions"] > 0, "the small cache must preempt"
+    assert (stats["recomputed"] > 0) == (name == "rows"), stats  # only too few rows drops received blocks
+    if name == "stale":  # every handoff predates the decode replica's weights: nothing of it is cached
+        assert stats["cached"] == 0, stats
+        assert all(r[4] == [0] + [1] * (len(r[4]) - 1) for r in got if r[0] != 100), "first tokens v0, the rest v1"
+        assert any(len(r[4]) > 1 for r in got)
     if name == "update":
         versions = {v for r in got for v in r[4]}
         assert versions == {0, 1}, "the update must be in flight"
@@ -285,3 +313,30 @@ def test_mismatched_caches_are_refused_before_receiving():
                   make_cache("fp8", 0)):
         with pytest.raises(ValueError, match="KV handoff: the prefill replica's cache blocks are"):
             recv_blocks(kv, cache_spec(other), [1], None, 0, chunk=4)
+
+
+def test_a_refused_handoff_leaves_the_decode_replica_untouched():
+    """Another cache geometry (ValueError) or tokens newer than the decode replica's weights
+    (RuntimeError) are refused before a row, a block or a prefix-cache entry is taken."""
+    prefill = PrefillRole(make_engine(make_model()), None)
+    for r in wave(0, seed=0):
+        prefill.add(r, dst=1)
+    _, (msg,) = prefill.step()
+    decode = DecodeRole(make_engine(make_model()), None)
+    engine = decode.engine
+    scheduler = engine.scheduler
+
+    def state():
+        return (list(engine.blocks.ref), list(engine.blocks.free), dict(engine.blocks.cached), sorted(scheduler.free_rows),
+                dict(scheduler.running), dict(scheduler.live), list(scheduler.waiting), decode.num_received)
+
+    before = state()
+    other = cache_spec(KVCache([0, 1], 8, 4, 2, 8, torch.float32, torch.device("cpu")))
+    with pytest.raises(ValueError, match="KV handoff: the prefill replica's cache blocks are"):
+        decode.receive(protocol.recv_kv(Message(msg.kind, {**msg.meta, "spec": other}, msg.data, src=0)))
+    assert state() == before
+    newer = msg.data.clone()
+    newer["versions"][-1] = 1  # the last sequence's first token: the others would be taken first
+    with pytest.raises(RuntimeError, match=r"sampled with weights v1 reached a decode replica at v0"):
+        decode.receive(protocol.recv_kv(Message(msg.kind, msg.meta, newer, src=0)))
+    assert state() == before

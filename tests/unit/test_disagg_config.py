@@ -117,3 +117,43 @@ def test_engines_with_recurrent_state_are_refused():
     for role in (PrefillRole, DecodeRole):
         with pytest.raises(ValueError, match="not supported for models with linear-attention layers"):
             role(engine, None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_models_with_linear_attention_are_refused_in_preflight(family, tmp_path):
+    cfg = validate(RLConfig, {"model": {**MODEL, "family": family}, "inference": {"prefill_ranks": 1},
+                              "layout": {"num_inference_ranks": 2}, "dist": {"device": "cpu"},
+                              "output_dir": str(tmp_path / "r")})
+    with pytest.raises(ValueError, match=rf"inference.prefill_ranks \(1\) > 0 is not supported for the {family} "
+                                         "model: its 3 linear-attention layers"):
+        rl.preflight(cfg)
+
+
+def test_the_cli_refuses_linear_attention_with_one_line_before_starting_ranks(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "meshrl.runtime.cli", "rl", "--model.family", "qwen3_next",
+                        "--model.flavor", "debug", "--model.tokenizer", "char", "--inference.prefill-ranks", "1",
+                        "--layout.num-inference-ranks", "2", "--dist.device", "cpu", "--output-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "inference.prefill_ranks (1) > 0 is not supported for the qwen3_next model" in r.stderr
+    assert not (tmp_path / "run").exists()  # no run folder, so no rank ever started
+
+
+def test_a_late_handoff_at_shutdown_is_not_relayed(monkeypatch):
+    """PREFILLED arriving after STOP went out: relaying it would make the controller's send_kv /
+    recv_kv wait on ranks that are stopping (transport.send blocks until received)."""
+    from meshrl.runtime.rollout.controller import Controller
+
+    sent = []
+    monkeypatch.setattr(transport, "send", lambda msg, dst, group: sent.append((dst, msg.kind)))
+    roles = assign_roles(4, 1, 2, controller=0, prefill_replicas=1)  # trainer 1, prefill 2, decode 3
+    layout = SimpleNamespace(roles=roles, down={r: f"down{r}" for r in range(4)})
+    data = protocol.generate([0], [[1]], [0], {}).data
+    inbox = [Message(protocol.Kind.PREFILLED, {"handoff": 0, "dst": 3}, data, src=2),
+             *(Message(protocol.Kind.DONE, src=r) for r in (1, 2, 3))]
+    controller = object.__new__(Controller)  # only what _shutdown reads
+    controller.layout, controller.pd = layout, DisaggRouter(layout, {})
+    controller.cfg = SimpleNamespace(dist=SimpleNamespace(timeout_s=5))
+    controller.inbox = SimpleNamespace(get=lambda timeout: inbox.pop(0))
+    controller._shutdown()
+    assert sent == [(2, protocol.Kind.STOP), (3, protocol.Kind.STOP), (1, protocol.Kind.STOP)]
