@@ -146,7 +146,7 @@ def _prefill(name, kv, ctl, sync, out) -> None:
             finished, handoffs = role.step()
             done += finished
             role.engine.check()
-            if name == "stale" and handoffs:  # both replicas load v1 before the decode replica receives
+            if name == "stale" and handoffs and role.engine.version == 0:  # v1 on both before the receive
                 weight_sync.receive_weights(role.engine.model, sync, 2, torch.float32, 0.01, torch.device("cpu"))
                 role.engine.set_version(1)
             for msg in handoffs:
@@ -239,7 +239,8 @@ def check_scenario(tmp_path, name: str) -> None:
         assert stats["continuation_prefill"] == ref_continuation == 13 + 6 + 3, stats
     if name == "preempt":
         assert stats["preemptions"] > 0, "the small cache must preempt"
-    assert (stats["recomputed"] > 0) == (name == "rows"), stats  # only too few rows drops received blocks
+    if name in ("plain", "rows"):  # room for every handoff, or rows for only 3 of its 12 sequences
+        assert (stats["recomputed"] > 0) == (name == "rows"), stats
     if name == "stale":  # every handoff predates the decode replica's weights: nothing of it is cached
         assert stats["cached"] == 0, stats
         assert all(r[4] == [0] + [1] * (len(r[4]) - 1) for r in got if r[0] != 100), "first tokens v0, the rest v1"

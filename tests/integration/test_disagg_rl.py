@@ -76,3 +76,8 @@ def test_asynchronous_rl_with_weight_updates_in_flight(tmp_path):
     assert rows[-1]["weights/version"] == 3
     sent, received = handoffs(tmp_path / "pd")
     assert sent == received > 0
+    # The staleness bound, per token: step s is dispatched once v(s-1) went out and v(s+1) needs it
+    # trained, so its tokens record versions s-1 and s only (every sample of a step is logged).
+    for step in range(3):
+        versions = {v for *_, vs in samples(tmp_path / "pd", step) for v in vs}
+        assert versions and versions <= {max(step - 1, 0), step}, (step, versions)
