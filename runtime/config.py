@@ -346,11 +346,12 @@ class InferenceConfig(Base):
     its KV cache (and linear-attention states) and CUDA graphs while the trainer steps and takes them
     back for the next rollouts, so the trainer can use that memory (small GPUs)."""
     prefill_ranks: int = Field(0, ge=0)
-    """Prefill/decode disaggregation (native engine, split layout, tensor_parallel = 1): the first K
-    engine replicas only prefill prompts; their KV blocks, first tokens and versions then move to one
-    of the other (decode) replicas over a dedicated process group, which decodes them; multi-turn
-    continuations are prefilled by the decode replica that holds the episode's cache. 0: every replica
-    does both (docs/inference.md, Prefill/decode disaggregation)."""
+    """Prefill/decode disaggregation (native engine, split layout, tensor_parallel = 1, no model with
+    linear-attention layers): the first K engine replicas only prefill prompts; their KV blocks, first
+    tokens and versions then move to one of the other (decode) replicas over a dedicated process
+    group, which decodes them; multi-turn continuations are prefilled by the decode replica that
+    holds the episode's cache. 0: every replica does both (docs/inference.md, Prefill/decode
+    disaggregation)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 
