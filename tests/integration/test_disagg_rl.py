@@ -4,7 +4,11 @@
 of a single-turn and a multi-turn environment (continuations are prefilled on the decode replica).
 Synchronous mode samples every step from exactly one version, so the run must give the rewards and
 samples of the same run on one engine replica, token for token (seeds are per request and the
-sampler's draws do not depend on the replica); asynchronous mode puts weight updates in flight.
+sampler's draws do not depend on the replica). Asynchronous mode (max_off_policy_steps = 1) must
+keep every token within the staleness bound. Nothing in the run holds a rollout until a weight
+update lands, and on this CPU a step's rollouts finish long before the trainer's step (measured: no
+rollout spanned two versions), so a weight update mid-rollout is not asserted here: the gloo test
+tests/dist/test_disagg.py puts one in flight deterministically ("update", "stale").
 """
 
 import json
@@ -69,7 +73,7 @@ def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(t
         assert samples(tmp_path / "one", step) == samples(tmp_path / "pd", step), step
 
 
-def test_asynchronous_rl_with_weight_updates_in_flight(tmp_path):
+def test_asynchronous_rl_within_the_staleness_bound(tmp_path):
     rows = run_rl(tmp_path / "pd", "--max-steps", "3", "--max-off-policy-steps", "1", *PD)
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert all(row["policy_lag/max"] <= 1 and row["rollouts/failed"] == 0 for row in rows)
