@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+if TYPE_CHECKING:  # torch is imported where meshes are built: config validation needs only ParallelDims
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class TrainerMeshes:
 
 def _grid(dims: ParallelDims, trainer_ranks: list[int]) -> torch.Tensor:
     """Global ranks as a (dp_replicate, dp_shard_mod_ep, ep) grid over the flattened dp_shard_cp axis."""
+    import torch
+
     shard_cp = dims.dp_shard * dims.cp
     return torch.tensor(trainer_ranks, dtype=torch.int64).view(dims.dp_replicate, shard_cp // dims.ep, dims.ep)
 
@@ -150,6 +154,8 @@ class _GroupMaker:
         for ranks in rank_lists:
             key = tuple(ranks)
             if key not in self.made:
+                import torch.distributed as dist
+
                 self.made[key] = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 found = self.made[key]
@@ -164,6 +170,8 @@ def build_meshes(dims: ParallelDims, trainer_ranks: list[int], rank: int, device
     collective); returns None on ranks that are not trainers. Groups are created in one
     order: fsdp, replicate, cp, ep, expert fsdp.
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
     assert len(trainer_ranks) == dims.num_ranks, (trainer_ranks, dims)
     make = _GroupMaker(rank, timeout)
     grid = _grid(dims, trainer_ranks)  # (R, S/ep, ep) where S = dp_shard * cp
@@ -198,6 +206,8 @@ def build_meshes(dims: ParallelDims, trainer_ranks: list[int], rank: int, device
 
 def all_rank_lists(dims: ParallelDims, trainer_ranks: list[int]) -> dict[str, list[list[int]]]:
     """Every group `build_meshes` may create, by purpose (for tests and the docs)."""
+    import torch
+
     grid = _grid(dims, trainer_ranks)
     rep_grid = grid.flatten(1)
     cp_grid = torch.tensor(trainer_ranks).view(dims.dp_replicate, dims.dp_shard, dims.cp)

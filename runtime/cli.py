@@ -147,6 +147,10 @@ def run_command(command: str, rest: list[str]) -> None:
             launching.fail(str(e))
         sys.exit(0)
     cfg = launching.validate_or_exit(cls, rest)
+    try:  # a missing or incomplete model folder is reported before torch is imported (~4 s)
+        cfg.model.check_folder()
+    except ValueError as e:
+        launching.fail(str(e))
     module = importlib.import_module(module_name)
     launching.preflight_or_exit(cfg, module.preflight)
     sys.exit(module.launch(cfg))

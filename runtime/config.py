@@ -86,6 +86,20 @@ class ModelConfig(Base):
             raise ValueError("model.impl = \"hf\" needs model.path: fresh flavor models are always native")
         return self
 
+    def check_folder(self) -> None:
+        """Raise ValueError (one line) when `path` is set but is no HF model folder: missing, or without
+        config.json or *.safetensors. Only the file system is read (no torch): the CLI runs it before
+        the heavy imports, and the pre-flight check (runtime/policy.py) runs it again."""
+        if self.path is None:
+            return
+        folder = Path(self.path)
+        if not folder.is_dir():
+            raise ValueError(f"model.path: folder not found: {self.path}")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model.path: {self.path} has no config.json (an HF model folder is expected)")
+        if not any(folder.glob("*.safetensors")):
+            raise ValueError(f"model.path: {self.path} has no *.safetensors weights")
+
 
 # ----------------------------------------------------------------------------- trainer
 

@@ -32,14 +32,8 @@ def check_model_source(cfg: ModelConfig, ep: int = 1, cp: int = 1) -> None:
     context parallelism `cp` for a native family whose plan refuses it (`no_cp`: linear attention),
     or `cfg.lora` targets a module the model does not have."""
     if cfg.path is not None:
-        folder = Path(cfg.path)
-        if not folder.is_dir():
-            raise ValueError(f"model.path: folder not found: {cfg.path}")
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model.path: {cfg.path} has no config.json (an HF model folder is expected)")
-        if not any(folder.glob("*.safetensors")):
-            raise ValueError(f"model.path: {cfg.path} has no *.safetensors weights")
-        config = read_hf_config(folder)
+        cfg.check_folder()
+        config = read_hf_config(Path(cfg.path))
         impl = resolve_impl(config.get("model_type"), cfg.impl, config)
         if impl == "hf":
             check_generic_config(config)

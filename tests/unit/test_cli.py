@@ -91,25 +91,32 @@ for argv in (["rl", "--help"], ["rl", "--help", "trainer.optim"], ["rl", "@", sy
 heavy = ("torch", "transformers", "tensordict", "verifiers", "meshrl.runtime.rl", "meshrl.runtime.engine.native")
 before = [m for m in heavy if m in sys.modules]
 try:
-    cli.main(["rl", "--model.path", sys.argv[2]])  # valid; the pre-flight check refuses the folder
+    cli.main(["rl", "--model.path", sys.argv[2]])  # valid; the folder check (before the imports) refuses it
+except SystemExit as e:
+    codes.append(e.code)
+folder = [m for m in heavy if m in sys.modules]
+try:
+    cli.main(["rl", "--model.flavor", "nope", "--model.tokenizer", "char"])  # valid; the pre-flight check refuses it
 except SystemExit as e:
     codes.append(e.code)
 after = [m for m in ("transformers", "tensordict", "verifiers", "meshrl.runtime.engine.native") if m in sys.modules]
-print(json.dumps({"codes": codes, "before": before, "after": after}))
+print(json.dumps({"codes": codes, "before": before, "folder": folder, "after": after}))
 """
 
 
 def test_the_config_path_imports_no_heavy_module(tmp_path):
-    """Help and validation import neither torch nor transformers; the pre-flight checks (after
-    validation) import torch but not transformers, tensordict, verifiers or the engines."""
+    """Help, validation and the model-folder check import neither torch nor transformers; the
+    pre-flight checks (after them) import torch but not transformers, tensordict, verifiers or the
+    engines."""
     cfg = tmp_path / "rl.toml"
     cfg.write_text('[model]\nflavor = "debug"\ntokenizer = "char"\n')
     r = subprocess.run([sys.executable, "-c", PROBE, str(cfg), str(tmp_path / "missing")], capture_output=True,
                        text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result == {"codes": [0, 0, 2, 2], "before": [], "after": []}, (result, r.stderr)
+    assert result == {"codes": [0, 0, 2, 2, 2], "before": [], "folder": [], "after": []}, (result, r.stderr)
     assert "did you mean 'trainer.optim.lr'?" in r.stderr and "model.path: folder not found" in r.stderr
+    assert "model.flavor: unknown flavor 'nope'" in r.stderr
 
 
 def test_a_cpu_job_with_more_ranks_than_cores_is_refused(tmp_path, monkeypatch, capsys):
