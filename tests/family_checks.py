@@ -26,16 +26,23 @@ from meshrl.runtime.engine.native import NativeEngine
 
 
 @torch.no_grad()
+def build_init(model_cls: type[nn.Module], args, seed: int = 0) -> nn.Module:
+    """model_cls(args) with its own init_weights(seed), fp32 on the CPU (built on meta, no double init)."""
+    with torch.device("meta"):
+        model = model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model
+
+
+@torch.no_grad()
 def build_random(model_cls: type[nn.Module], args, seed: int = 0, scale: float = 1.0) -> nn.Module:
     """model_cls(args) initialised with `seed` in fp32 on the CPU, then made harder to match by
     accident: norms and biases away from 1 / 0, decisive routers and sparse-attention indexers
     (N(0, 0.5): near-uniform top-k could flip on 1e-7 differences), a random expert bias (it must steer the choice), and weight
     matrices times `scale` (a tiny model at init std echoes its last token, which would make
     greedy parity vacuous)."""
-    with torch.device("meta"):
-        model = model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
+    model = build_init(model_cls, args, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):

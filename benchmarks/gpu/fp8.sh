@@ -12,11 +12,7 @@
 # workload matrix (runtime/engine/bench_matrix.py), which does not take --quantization yet.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/host_env.sh"
 PARTS=${FP8_PARTS:-tests kernels engine}
 FLAVORS=${FP8_FLAVORS:-1.7B 8B}
 SEQS=${FP8_SEQS:-256 512}

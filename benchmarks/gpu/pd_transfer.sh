@@ -7,11 +7,7 @@
 # (default ./out): tests.txt (the gpu-marked transfer test) and transfer.jsonl (pd_transfer.py).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/host_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 240 python3 -m pytest -q -m gpu tests/dist/test_disagg.py -k nccl 2>&1 | tail -20 | tee "$OUT/tests.txt"
 timeout 300 python3 benchmarks/gpu/pd_transfer.py 2>&1 | tee "$OUT/transfer.jsonl"

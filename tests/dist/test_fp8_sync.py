@@ -17,17 +17,14 @@ from meshrl.runtime.engine.api import Request, SamplingParams
 from meshrl.runtime.engine.native import NativeEngine
 from meshrl.runtime.layout import assign_roles, build_layout
 from tests.dist.multirank import run_ranks
+from tests.family_checks import build_init
 
 ARGS = FLAVORS["debug"]
 WIRE = torch.bfloat16  # what the trainer sends (the inference dtype)
 
 
 def make_model(seed: int) -> Qwen3:
-    with torch.device("meta"):
-        model = Qwen3(ARGS)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return build_init(Qwen3, ARGS, seed)
 
 
 def new_version(model: Qwen3, version: int) -> None:

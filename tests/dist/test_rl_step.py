@@ -19,6 +19,7 @@ from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
 from meshrl.runtime.train.trainer import Trainer
 from meshrl.runtime.transport import Message
 from tests.dist.multirank import run_ranks
+from tests.family_checks import build_init
 
 ARGS = FLAVORS["debug"]
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01)
@@ -28,11 +29,7 @@ BUCKET_MB = 0.01  # several buckets even for the tiny model
 
 
 def make_model(seed: int) -> Qwen3:
-    with torch.device("meta"):
-        model = Qwen3(ARGS)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return build_init(Qwen3, ARGS, seed)
 
 
 def make_samples() -> list[Sample]:

@@ -31,12 +31,7 @@ SHAPES = [("glm4_moe", "air-like-3L", "air-106B-A12B", {"n_layers", "num_mtp_lay
                                              "hidden_dim", "tie_embeddings", "layer_types"})]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _json_lines(text: str) -> list[dict]:

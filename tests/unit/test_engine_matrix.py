@@ -16,13 +16,7 @@ from tests.unit.test_vllm_engine import FakeLLMEngine, fake_vllm  # noqa: F401 (
 SIZES = ["--scale", "0.01", "--batch-scale", "0.04"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: a second OpenMP thread only adds waits (seconds per test on a loaded 2-core box).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _rows(capsys) -> list[dict]:
