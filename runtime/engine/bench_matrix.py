@@ -3,6 +3,7 @@
     meshrl bench engine --compare vllm [--flavors 0.6B,1.7B] [--workloads plain_8,grpo,...]
                         [--out FILE.jsonl] [--scale 1.0] [--batch-scale 1.0] [--hbm-gbps 4800]
                         [--device cuda|cpu] [--gpu-memory-utilization 0.9] [--vllm-timeout 420]
+                        [--quantization none|fp8] [--kv-cache-dtype auto|fp8]
     meshrl bench engine --workloads all          # the native engine alone on the same matrix
 
 Workloads (random prompts over the vocabulary, temperature 1, every token's logprob returned, no
@@ -36,7 +37,9 @@ multiturn and long_4k rows share prefixes; the others have no hits to find), asy
 CUDA graphs + torch.compile (enforce_eager off), `logprobs=0` with processed logprobs (the
 engine protocol's contract), DELTA outputs, no per-request seeds (vLLM samples seeded requests on
 a slower path), its LLM-class defaults otherwise (max_num_batched_tokens; the native engine gets
-the same prefill budget). Both: max_num_seqs 512 (`--max-num-seqs`), one max_model_len for every row, the prefix
+the same prefill budget). `--quantization fp8` / `--kv-cache-dtype fp8`: the native engine's FP8
+weights (128x128 block scales) / FP8 KV cache, and vLLM's `quantization="fp8"` (its online
+quantisation of the same bf16 folder) / `kv_cache_dtype="fp8"`. Both: max_num_seqs 512 (`--max-num-seqs`), one max_model_len for every row, the prefix
 cache reset between rows. Each row's `settings` field logs what was used.
 
 One JSON line per (shape, workload, engine):
@@ -306,6 +309,19 @@ def weight_bytes(family: str, flavor: str, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
+def model_weight_bytes(model: Any) -> int:
+    """Bytes of the weights a decode step reads from a built model, in the dtypes it holds them
+    (FP8 linears: their e4m3 weights and fp32 block scales), less an untied input embedding."""
+    seen, total = set(), 0
+    emb = model.tok_embeddings.weight
+    for t in [*model.parameters(), *(b for n, b in model.named_buffers() if n.endswith("weight_scale_inv"))]:
+        if id(t) in seen or (t is emb and model.output_weight is not emb):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
 def engine_sizes(engine: Any) -> dict:
     """What one token's k/v (every attention layer; MLA: its latent) and one sequence's
     linear-attention states take in a native engine, in bytes."""
@@ -343,8 +359,13 @@ def run_native(spec: dict, emit, sizes: dict) -> None:
     engine = NativeEngine(model, max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], device=device,
                           dtype=dtype, num_blocks=spec.get("num_blocks"), max_num_batched_tokens=PREFILL_TOKENS,
                           prefix_sharing=True, attention=spec.get("attention", "auto"),
-                          cuda_graphs=device.type == "cuda", seed=spec["seed"])
-    settings = {"prefix_sharing": engine.prefix_sharing, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
+                          cuda_graphs=device.type == "cuda", seed=spec["seed"],
+                          quantization=spec.get("quantization", "none"),
+                          kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+    if spec.get("quantization", "none") != "none":  # FP8 linears: the bytes a step reads changed
+        sizes["weight_bytes"] = model_weight_bytes(engine.model)
+    settings = {"quantization": spec.get("quantization", "none"), "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
+                "prefix_sharing": engine.prefix_sharing, "cuda_graphs": engine.cuda_graphs, "attention": engine.attention,
                 "max_num_seqs": spec["max_num_seqs"], "max_num_batched_tokens": PREFILL_TOKENS,
                 "block_size": engine.block_size,
                 "max_model_len": spec["max_model_len"], "kv_cache_blocks": engine.kv.num_blocks,
@@ -433,6 +454,8 @@ def vllm_settings(engine: Any, args: dict) -> dict:
     cfg = getattr(engine, "vllm_config", None)
     out = {k: args[k] for k in ("enable_prefix_caching", "async_scheduling", "enforce_eager", "max_num_seqs",
                                 "max_model_len", "gpu_memory_utilization", "logprobs_mode", "load_format")}
+    out["quantization"] = args.get("quantization", "none")
+    out["kv_cache_dtype"] = args.get("kv_cache_dtype", "auto")
     if "language_model_only" in args:
         out["language_model_only"] = args["language_model_only"]
     out["vllm_multiprocessing"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -463,6 +486,10 @@ def vllm_engine_args(spec: dict, args: Any) -> dict:
                        enable_prefix_caching=True, async_scheduling=True,
                        load_format="safetensors" if spec.get("model_dir") else "dummy",
                        logprobs_mode="processed_logprobs", generation_config="vllm", disable_log_stats=True)
+    if spec.get("quantization", "none") != "none":
+        engine_args["quantization"] = spec["quantization"]
+    if spec.get("kv_cache_dtype", "auto") != "auto":
+        engine_args["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if "vision_config" in config:
         engine_args["language_model_only"] = True
     return engine_args
@@ -537,6 +564,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dir", default=None, help="where the model folder for vLLM is written (a temporary "
                                                       "folder inside it, removed after the shape; default: the "
                                                       "system's temporary directory)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: FP8 weights in both engines (native: 128x128 block scales; vLLM: quantization='fp8')")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an FP8 KV cache in both")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -557,6 +587,7 @@ def _spec(opts: argparse.Namespace, flavor: str, workloads: list[str], dtype: to
             "device": opts.device, "seed": opts.seed, "scale": opts.scale, "batch_scale": opts.batch_scale,
             "workloads": workloads, "max_num_seqs": opts.max_num_seqs, "attention": opts.attention,
             "max_model_len": max_model_len, "gpu_memory_utilization": opts.gpu_memory_utilization,
+            "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype,
             "num_blocks": None if opts.device == "cuda" else 2 * blocks}
 
 

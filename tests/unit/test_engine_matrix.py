@@ -146,3 +146,28 @@ def test_vllm_rows_come_back_from_the_child_process(tmp_path, monkeypatch, capsy
     bm.main(["--compare", "vllm", "--device", "cpu", "--flavors", "debug", "--workloads", "plain_8", *SIZES])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows[-1]["engine"] == "vllm" and "exited with 1" in rows[-1]["error"]
+
+
+def test_fp8_reaches_both_engines_and_the_floor():
+    """--quantization fp8 / --kv-cache-dtype fp8: vLLM gets quantization="fp8" and an FP8 cache, the
+    native engine FP8 linears, and the floor counts the FP8 weights' bytes (e4m3 + block scales)."""
+    from meshrl.models import get_family
+
+    opts = bm._parser().parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--device", "cpu"])
+    spec = bm._spec(opts, "debug", ["plain_8"], torch.float32, 128)
+    args = bm.vllm_engine_args(spec, get_family("qwen3").flavors["debug"])
+    assert args["quantization"] == "fp8" and args["kv_cache_dtype"] == "fp8"
+    plain = bm.vllm_engine_args(dict(spec, quantization="none", kv_cache_dtype="auto"), get_family("qwen3").flavors["debug"])
+    assert "quantization" not in plain and "kv_cache_dtype" not in plain
+
+    rows, sizes = [], {"weight_bytes": bm.weight_bytes("qwen3", "debug", torch.float32)}
+    bm.run_native(dict(spec, workloads=["plain_8"], scale=0.01, batch_scale=0.04), rows.append, sizes)
+    assert rows[0]["settings"]["quantization"] == "fp8" and rows[0]["settings"]["kv_cache_dtype"] == "fp8"
+    fam = get_family("qwen3")
+    with torch.device("meta"):
+        model = fam.model_cls(fam.flavors["debug"])
+    linears = sum(m.weight.numel() for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.startswith("layers."))
+    fp32 = bm.weight_bytes("qwen3", "debug", torch.float32)
+    # every decoder linear went from 4 bytes a weight to 1 (+ its scales): the floor's bytes shrank by ~3/4 of them
+    assert fp32 - 3 * linears <= sizes["weight_bytes"] < fp32 - 3 * linears + linears // 16
