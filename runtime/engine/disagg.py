@@ -52,7 +52,6 @@ caches, sliding windows) needs nothing here: the blocks travel as the cache stor
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import asdict
 
 import torch
@@ -80,31 +79,36 @@ def cache_spec(kv: KVCache) -> list[list]:
 
 def chunk_blocks(kv: KVCache, chunk_mb: float = CHUNK_MB) -> int:
     """Blocks per transfer chunk."""
-    per_block = sum(t.element_size() * t.numel() // t.shape[d] for t, d in kv.storages())
-    return max(1, int(chunk_mb * 2**20) // per_block)
+    return max(1, int(chunk_mb * 2**20) // block_bytes(kv))
 
 
-def send_blocks(kv: KVCache, blocks: list[int], group: dist.ProcessGroup, dst: int, chunk: int) -> None:
+def block_bytes(kv: KVCache) -> int:
+    """Bytes of one block on the wire (every layer, every storage tensor)."""
+    return sum(t.element_size() * t.numel() // t.shape[d] for t, d in kv.storages())
+
+
+def send_blocks(kv: KVCache, blocks: list[int], group: dist.ProcessGroup, dst: int, chunk: int) -> int:
     """Send the k/v of `blocks` (every layer, every storage tensor) to global rank `dst` on `group`,
-    `chunk` blocks per point-to-point send; returns when the sends are done."""
+    `chunk` blocks per point-to-point send; returns the bytes sent, when the sends are done."""
     if not blocks:
-        return
+        return 0
     device = kv.storages()[0][0].device
     index = torch.tensor(blocks, dtype=torch.long, device=device)
     for start in range(0, len(blocks), chunk):
         part = index[start:start + chunk]
         for t, d in kv.storages():
             dist.send(t.index_select(d, part).contiguous(), dst=dst, group=group)
+    return len(blocks) * block_bytes(kv)
 
 
 def recv_blocks(kv: KVCache, spec: list[list], into: list[int], group: dist.ProcessGroup, src: int,
-                chunk: int) -> None:
+                chunk: int) -> int:
     """Receive `len(into)` blocks sent by `send_blocks` from global rank `src`; block i goes to cache
-    block into[i], or is dropped when into[i] < 0. ValueError (before anything is received) if the
-    sender's cache geometry `spec` is not this cache's."""
+    block into[i], or is dropped when into[i] < 0. Returns the bytes received. ValueError (before
+    anything is received) if the sender's cache geometry `spec` is not this cache's."""
     check_spec(kv, spec)
     if not into:
-        return
+        return 0
     device = kv.storages()[0][0].device
     for start in range(0, len(into), chunk):
         part = into[start:start + chunk]
@@ -118,6 +122,7 @@ def recv_blocks(kv: KVCache, spec: list[list], into: list[int], group: dist.Proc
             dist.recv(buf, src=src, group=group)
             if keep:
                 t.index_copy_(d, dst_index, buf.index_select(d, src_index))
+    return len(into) * block_bytes(kv)
 
 
 def check_spec(kv: KVCache, spec: list[list]) -> None:
@@ -146,7 +151,8 @@ class PrefillRole:
     group: the kv group (every inference rank; NCCL on GPU, gloo on CPU). `add(request, dst)` queues
     a request whose samples decode on global rank `dst`; `step()` runs one engine step and returns
     (the samples that finished in it, one PREFILLED message per decode replica); `send(h)` sends
-    handoff h's blocks to its decode replica and frees them here (they stay in the prefix cache).
+    the blocks of handoff h that its decode replica asks for and frees them all here (they stay in
+    the prefix cache); `abort(rid)` ends a request wherever it is on this replica.
     """
 
     def __init__(self, engine: NativeEngine, group: dist.ProcessGroup | None, chunk_mb: float = CHUNK_MB) -> None:
@@ -154,10 +160,16 @@ class PrefillRole:
         self.engine, self.group = engine, group
         self.chunk = chunk_blocks(engine.kv, chunk_mb)
         self.dst_of: dict[int, int] = {}  # live request id -> the decode rank of its samples
-        self.parked: dict[int, tuple[int, list[Sequence], list[int]]] = {}  # handoff -> (dst, sequences, blocks)
+        # handoff -> (dst, its sequences, its distinct blocks, its sequences aborted since: blocks held until sent)
+        self.parked: dict[int, tuple[int, list[Sequence], list[int], list[Sequence]]] = {}
         self._next_handoff = 0
         self.num_handed_off = 0
-        """Sequences handed to decode replicas so far."""
+        """Sequences handed to decode replicas so far (aborted ones included)."""
+        self.num_bytes_sent = 0
+        """KV bytes sent to decode replicas so far (only the blocks they asked for)."""
+        self.num_blocks_skipped = 0
+        """Blocks of handoffs that their decode replica did not ask for (it holds them already in its
+        prefix cache, or has no room for their sequence, or the sequence was aborted)."""
 
     def add(self, request: Request, dst: int) -> None:
         self.engine.add(request)
@@ -170,7 +182,7 @@ class PrefillRole:
         by_dst: dict[int, list[Sequence]] = {}
         for seq in sorted(ready, key=lambda s: s.admitted):
             by_dst.setdefault(self.dst_of[seq.request.request_id], []).append(seq)
-            _detach(scheduler, seq)
+            scheduler.detach(seq)
         for rid in [rid for rid in self.dst_of if rid not in scheduler.live]:
             del self.dst_of[rid]
         return done, [self._describe(dst, seqs) for dst, seqs in by_dst.items()]
@@ -186,7 +198,7 @@ class PrefillRole:
                     blocks.append(b)
         h = self._next_handoff
         self._next_handoff += 1
-        self.parked[h] = (dst, seqs, blocks)
+        self.parked[h] = (dst, list(seqs), blocks, [])
         self.num_handed_off += len(seqs)
         generated = [seq.tokens[seq.num_prompt:] for seq in seqs]
         data = TensorDict({
@@ -209,25 +221,33 @@ class PrefillRole:
         return protocol.prefilled(meta, data)
 
     def send(self, handoff: int) -> None:
-        """Send a handoff's blocks to its decode replica (which is receiving them), then free them here."""
-        dst, seqs, blocks = self.parked.pop(handoff)
-        send_blocks(self.engine.kv, blocks, self.group, dst, self.chunk)
-        for seq in seqs:
+        """Send a handoff's blocks to its decode replica (which is in `DecodeRole.receive`): first its
+        mask of the blocks it needs, then those blocks; then free them all here."""
+        dst, seqs, blocks, aborted = self.parked.pop(handoff)
+        need = torch.empty(len(blocks), dtype=torch.int64, device=self.engine.kv.storages()[0][0].device)
+        if blocks:
+            dist.recv(need, src=dst, group=self.group)
+        wanted = [b for b, n in zip(blocks, need.tolist()) if n]
+        assert set(wanted) <= {b for seq in seqs for b in seq.table}, "the decode replica asks for aborted blocks"
+        self.num_bytes_sent += send_blocks(self.engine.kv, wanted, self.group, dst, self.chunk)
+        self.num_blocks_skipped += len(blocks) - len(wanted)
+        for seq in seqs + aborted:
             self.engine.blocks.release(seq.table)
             seq.table = []
 
-
-def _detach(scheduler, seq: Sequence) -> None:
-    """Take a running sequence out of a scheduler (its row freed, no longer live), keeping its blocks."""
-    del scheduler.running[seq.row]
-    heapq.heappush(scheduler.free_rows, seq.row)
-    scheduler.rows.clear(seq.row)
-    scheduler._layout_stale = True  # noqa: SLF001 - the scheduler's own flag: its running set changed
-    seq.row = -1
-    samples = scheduler.live[seq.request.request_id]
-    samples.remove(seq)
-    if not samples:
-        del scheduler.live[seq.request.request_id]
+    def abort(self, request_id: int) -> list[Completion]:
+        """End every sample of a request that is on this replica -> their abort completions: queued
+        or prefilling (dropped from the engine, blocks freed) or parked in a handoff not sent yet
+        (the controller tells its decode replica to drop them, `recv_kv` meta `drop`; their blocks
+        are freed with the handoff's at `send`). Nothing if the request is not here."""
+        done = self.engine.scheduler.abort(request_id) or []
+        self.dst_of.pop(request_id, None)
+        for _, seqs, _, aborted in self.parked.values():
+            gone = [seq for seq in seqs if seq.request.request_id == request_id]
+            done += [seq.completion("abort") for seq in gone]
+            aborted += gone
+            seqs[:] = [seq for seq in seqs if seq.request.request_id != request_id]
+        return sorted(done, key=lambda c: c.index)
 
 
 # ---------------------------------------------------------------------------- decode side
@@ -235,46 +255,55 @@ def _detach(scheduler, seq: Sequence) -> None:
 
 class DecodeRole:
     """A decode replica: `receive(msg)` takes one RECV_KV message (a prefill replica's PREFILLED
-    data, `msg.meta["src"]` its rank) and that handoff's blocks into the engine, over `group`."""
+    data, `msg.meta["src"]` its rank, `msg.meta["drop"]` the request ids aborted while it was in
+    flight) and that handoff's blocks into the engine, over `group`; `abort(rid)` ends a request."""
 
     def __init__(self, engine: NativeEngine, group: dist.ProcessGroup | None) -> None:
         _check_engine(engine)
         self.engine, self.group = engine, group
         self.num_received = 0
-        """Sequences received so far."""
+        """Sequences received so far (not counting the dropped ones)."""
         self.num_recomputed = 0
         """Received sequences that found no row or blocks and wait to be recomputed here."""
         self.num_cached_blocks = 0
-        """Leading full blocks of received sequences taken from this replica's prefix cache (a block
-        the handoff also carries is then not stored again)."""
+        """Leading full blocks of received sequences taken from this replica's prefix cache (not sent)."""
+        self.num_bytes_received = 0
+        """KV bytes received so far."""
 
     def receive(self, msg: Message) -> None:
-        """Take a handoff (class docstring). Before this replica's state changes or any block is
-        received: ValueError if the sender's cache geometry differs from this replica's,
-        RuntimeError if a token of the handoff is newer than this replica's weights."""
+        """Take a handoff (class docstring): adopt its sequences, tell the sender which of its blocks
+        to send (those of adopted sequences that this replica's prefix cache does not hold), receive
+        them. Before this replica's state changes or any block moves: ValueError if the sender's
+        cache geometry differs from this replica's, RuntimeError if a token of the handoff is newer
+        than this replica's weights."""
         engine, meta = self.engine, msg.meta
         check_spec(engine.kv, meta["spec"])
         scheduler = engine.scheduler
         seqs, tables = _sequences(msg.data, meta["sampling"])
-        use = [-1] * meta["num_blocks"]  # distinct block j -> the block of this cache that holds it
-        into = [-1] * meta["num_blocks"]  # distinct block j -> where its received data goes (-1: dropped)
-        for seq in seqs:
+        drop = set(meta.get("drop", ()))
+        kept = [(seq, table) for seq, table in zip(seqs, tables) if seq.request.request_id not in drop]
+        for seq, _ in kept:
             if max(seq.versions, default=0) > scheduler.version:
                 raise RuntimeError(f"KV handoff of request {seq.request.request_id} sampled with weights "
                                    f"v{max(seq.versions)} reached a decode replica at v{scheduler.version}")
+        use = [-1] * meta["num_blocks"]  # distinct block j -> the block of this cache that holds it
+        into = [-1] * meta["num_blocks"]  # distinct block j -> where its received data goes (-1: not sent)
         taken = 0
-        for seq, table in zip(seqs, tables):
-            scheduler.live.setdefault(seq.request.request_id, []).append(seq)
-            if self._adopt(seq, table, use, into):
-                taken += 1
-            else:
-                scheduler.waiting.append(seq)  # recomputed here when admitted, like a preempted sequence
-        recv_blocks(engine.kv, meta["spec"], into, self.group, meta["src"], meta["chunk"])
-        self.num_received += len(seqs)
-        self.num_recomputed += len(seqs) - taken
+        for seq, table in kept:
+            run = self._attach(seq, table, use, into)
+            scheduler.adopt(seq, run)  # not run: recomputed here when admitted, like a preempted sequence
+            taken += run
+        if into:
+            device = engine.kv.storages()[0][0].device
+            dist.send(torch.tensor([b >= 0 for b in into], dtype=torch.int64, device=device), dst=meta["src"],
+                      group=self.group)
+        wanted = [b for b in into if b >= 0]
+        self.num_bytes_received += recv_blocks(engine.kv, meta["spec"], wanted, self.group, meta["src"], meta["chunk"])
+        self.num_received += len(kept)
+        self.num_recomputed += len(kept) - taken
 
-    def _adopt(self, seq: Sequence, table: list[int], use: list[int], into: list[int]) -> bool:
-        """Put one received sequence into the scheduler if a row and blocks are free (its data arrives
+    def _attach(self, seq: Sequence, table: list[int], use: list[int], into: list[int]) -> bool:
+        """Give one received sequence its blocks if a row and blocks are free (their data arrives
         before the next step): its leading full blocks found in the prefix cache are shared, as a
         single engine's admission shares them, the others are the blocks received for it (allocated
         here, or shared with an earlier sequence of the handoff). False: no room."""
@@ -299,9 +328,11 @@ class DecodeRole:
         seq.table = matched + [use[j] for j in rest]
         seq.num_computed, seq.num_registered = num_computed, len(matched)
         self.num_cached_blocks += len(matched)
-        scheduler._take_row(seq)  # noqa: SLF001 - as a prefill's fork takes a row
-        scheduler._register(seq)  # noqa: SLF001 - only k/v of the current version are registered
         return True
+
+    def abort(self, request_id: int) -> list[Completion]:
+        """End every sample of a request on this replica -> their abort completions (none if it is not here)."""
+        return self.engine.scheduler.abort(request_id) or []
 
 
 def _sequences(td: TensorDict, sampling: list[dict]) -> tuple[list[Sequence], list[list[int]]]:

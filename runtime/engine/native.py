@@ -89,7 +89,7 @@ from meshrl.runtime.engine.api import Completion, Request
 from meshrl.runtime.engine.kv_cache import BlockManager, KVCache, triton_available
 from meshrl.runtime.engine.recurrent_state import RecurrentStates
 from meshrl.runtime.engine.runner import ModelRunner
-from meshrl.runtime.engine.scheduler import Scheduler
+from meshrl.runtime.engine.scheduler import Scheduler, check as check_scheduler
 from meshrl.runtime.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ class NativeEngine:
     def check(self) -> None:
         """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
         device block table against its sequence (for tests)."""
-        self.scheduler.check()
+        check_scheduler(self.scheduler)
 
     # ------------------------------------------------------------------ one step's parts
 

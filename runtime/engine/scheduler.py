@@ -106,6 +106,25 @@ class Scheduler:
             self._drop(seq)
         return [seq.completion("abort") for seq in samples]
 
+    # ------------------------------------------------------------------ handoffs (runtime/engine/disagg.py)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of this scheduler (row freed, no longer live), keeping its
+        blocks and tokens: a prefill replica hands it to a decode replica."""
+        self._free_row(seq)
+        self._unlive(seq)
+
+    def adopt(self, seq: Sequence, run: bool) -> None:
+        """Make a sequence computed elsewhere live here. run: its block table is attached and holds
+        the k/v of every token but the last, so it takes a row (as a fork does) and registers its
+        full blocks (same-version k/v only); else it waits to be recomputed, as a preempted one does."""
+        self.live.setdefault(seq.request.request_id, []).append(seq)
+        if run:
+            self._take_row(seq)
+            self._register(seq)
+        else:
+            self.waiting.append(seq)
+
     # ------------------------------------------------------------------ rows and blocks
 
     def _take_row(self, seq: Sequence) -> None:
@@ -119,16 +138,24 @@ class Scheduler:
         """Give back the sequence's blocks and row (it stays in live)."""
         self.blocks.release(seq.table)
         seq.table = []
-        seq.num_computed = seq.num_registered = 0
+        seq.num_computed = seq.num_registered = seq.inflight = 0
         seq.ready = False
-        seq.inflight = 0
         seq.epoch += 1
+        self._free_row(seq)
+
+    def _free_row(self, seq: Sequence) -> None:
         if seq.row >= 0:
             del self.running[seq.row]
             heapq.heappush(self.free_rows, seq.row)
             self.rows.clear(seq.row)
             self._layout_stale = True
             seq.row = -1
+
+    def _unlive(self, seq: Sequence) -> None:
+        samples = self.live[seq.request.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self.live[seq.request.request_id]
 
     def _requeue_followers(self, seq: Sequence) -> None:
         for follower in reversed(seq.followers):
@@ -150,10 +177,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> Completion:
         self._free(seq)
-        samples = self.live[seq.request.request_id]
-        samples.remove(seq)
-        if not samples:
-            del self.live[seq.request.request_id]
+        self._unlive(seq)
         return seq.completion(reason)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -422,28 +446,27 @@ class Scheduler:
                 finished.append(self._finish(seq, "length"))
         return finished
 
-    # ------------------------------------------------------------------ invariants
 
-    def check(self) -> None:
-        """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
-        device block table against its sequence (for tests)."""
-        self.blocks.check()
-        bs, rows = self.block_size, self.rows
-        assert not rows.table_updates, "block-table edits left unsent"
-        tables = rows.tables.tolist()
-        for r in range(self.max_num_seqs):
-            seq = self.running.get(r)
-            inputs = (rows.token[r], rows.position[r], rows.slot[r], rows.count[r])
-            if seq is None or not seq.ready:
-                assert inputs == (0, 0, 0, 0), f"row {r} is not decoding but holds inputs {inputs}"
-                continue
-            p = seq.num_computed + seq.inflight  # the position its next launch feeds
-            assert len(seq.tokens) - seq.num_computed == 1 and seq.row == r and seq.inflight in (0, 1)
-            fed = (0, p, 1) if seq.inflight else (seq.tokens[p], p, 0)  # in flight: token from the device
-            assert (inputs[0], inputs[1], rows.follow[r]) == fed, f"row {r}: inputs {inputs} are not {fed}"
-            assert inputs[3] == len(seq.tokens) + seq.inflight - seq.num_prompt
-            assert tables[r][:len(seq.table)] == seq.table, f"row {r}: device block table is stale"
-            if seq not in self._block_checks:  # else the next reserve_decode gives it a block
-                block = seq.table[p // bs]
-                assert self.blocks.ref[block] == 1 and block not in self.blocks.info, "writes into a shared block"
-                assert inputs[2] == block * bs + p % bs, f"row {r}: slot {inputs[2]} is not position {p}'s"
+def check(s: Scheduler) -> None:
+    """Assert a scheduler's bookkeeping invariants between steps: blocks, and every row's host inputs
+    and device block table against its sequence (for tests; `NativeEngine.check`)."""
+    s.blocks.check()
+    bs, rows = s.block_size, s.rows
+    assert not rows.table_updates, "block-table edits left unsent"
+    tables = rows.tables.tolist()
+    for r in range(s.max_num_seqs):
+        seq = s.running.get(r)
+        inputs = (rows.token[r], rows.position[r], rows.slot[r], rows.count[r])
+        if seq is None or not seq.ready:
+            assert inputs == (0, 0, 0, 0), f"row {r} is not decoding but holds inputs {inputs}"
+            continue
+        p = seq.num_computed + seq.inflight  # the position its next launch feeds
+        assert len(seq.tokens) - seq.num_computed == 1 and seq.row == r and seq.inflight in (0, 1)
+        fed = (0, p, 1) if seq.inflight else (seq.tokens[p], p, 0)  # in flight: token from the device
+        assert (inputs[0], inputs[1], rows.follow[r]) == fed, f"row {r}: inputs {inputs} are not {fed}"
+        assert inputs[3] == len(seq.tokens) + seq.inflight - seq.num_prompt
+        assert tables[r][:len(seq.table)] == seq.table, f"row {r}: device block table is stale"
+        if seq not in s._block_checks:  # else the next reserve_decode gives it a block
+            block = seq.table[p // bs]
+            assert s.blocks.ref[block] == 1 and block not in s.blocks.info, "writes into a shared block"
+            assert inputs[2] == block * bs + p % bs, f"row {r}: slot {inputs[2]} is not position {p}'s"
