@@ -366,6 +366,11 @@ class InferenceConfig(Base):
     group, which decodes them; multi-turn continuations are prefilled by the decode replica that
     holds the episode's cache. 0: every replica does both (docs/inference.md, Prefill/decode
     disaggregation)."""
+    prefill_backlog_tokens: int | None = Field(None, ge=1)
+    """Prefill/decode disaggregation: when the least loaded prefill replica already has this many
+    prompt tokens outstanding, a new first turn is prefilled by its decode replica instead (as it
+    prefills multi-turn continuations), so the decode pool does not wait idle behind a long prefill
+    queue; unset: 4 x the prefill budget of a step (max_num_batched_tokens or its default)."""
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings."""
 
@@ -400,6 +405,11 @@ class InferenceConfig(Base):
                 f"inference.max_model_len ({self.max_model_len})"
             )
         return self
+
+    @property
+    def prefill_backlog(self) -> int:
+        """prefill_backlog_tokens, or its default: 4 x the native engine's prefill tokens per step."""
+        return self.prefill_backlog_tokens or 4 * (self.max_num_batched_tokens or max(8192, self.max_model_len))
 
 
 class WeightSyncConfig(Base):

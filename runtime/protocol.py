@@ -6,6 +6,8 @@ builds the message and, where the payload is more than a few numbers, one that r
 
     controller -> inference   GENERATE      requests of one sampling setting: ids, prompts, seeds
                               LOAD_WEIGHTS  join the next weight broadcast; meta: version
+                              ABORT         end these requests now (meta request_ids); their
+                                            samples come back as COMPLETIONS with finish "abort"
     controller -> trainers    TRAIN         one step's packed micro-batches for this data rank
                               CHECKPOINT    save (path) and/or export an HF folder (export)
     controller -> every rank  STOP          finish (trainers: final checkpoint and export first)
@@ -29,6 +31,7 @@ Prefill/decode disaggregation only (inference.prefill_ranks; runtime/engine/disa
                                             replica: everything but their KV blocks
     controller -> prefill     SEND_KV       send handoff h's blocks on the kv group
     controller -> decode      RECV_KV       the PREFILLED data; receive its blocks from meta src
+                                            (meta drop: request ids aborted while in flight)
     (GENERATE to a prefill replica carries meta `decode`: the decode rank of its requests)
 
 Why WEIGHTS comes before the broadcast: the inference ranks must be told to join it, and only
@@ -70,6 +73,7 @@ class Kind(StrEnum):
     PREFILLED = "prefilled"
     SEND_KV = "send_kv"
     RECV_KV = "recv_kv"
+    ABORT = "abort"
 
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
@@ -119,9 +123,15 @@ def send_kv(handoff: int) -> Message:
     return Message(Kind.SEND_KV, {"handoff": handoff})
 
 
-def recv_kv(prefilled: Message) -> Message:
-    """Controller -> decode replica: a PREFILLED message relayed as it is, with its sender in meta `src`."""
-    return Message(Kind.RECV_KV, {**prefilled.meta, "src": prefilled.src}, prefilled.data)
+def recv_kv(prefilled: Message, drop: Iterable[int] = ()) -> Message:
+    """Controller -> decode replica: a PREFILLED message relayed as it is, with its sender in meta `src`
+    and in meta `drop` the ids of its requests that were aborted meanwhile (not taken, blocks not sent)."""
+    return Message(Kind.RECV_KV, {**prefilled.meta, "src": prefilled.src, "drop": sorted(drop)}, prefilled.data)
+
+
+def abort(request_ids: Iterable[int]) -> Message:
+    """Controller -> inference rank: end these requests (those it holds; any others are ignored)."""
+    return Message(Kind.ABORT, {"request_ids": list(request_ids)})
 
 
 def load_weights(version: int) -> Message:

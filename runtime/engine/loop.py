@@ -3,7 +3,8 @@
 Between two engine steps the rank handles every message waiting in its inbox, in order:
 `generate` adds requests, `load_weights v` receives the trainer's broadcast into the engine's
 parameters in place (requests in flight keep their KV cache and continue on the new weights;
-each token records its version), `stop` aborts what is left and ends. Finished requests go
+each token records its version), `abort` ends requests (their samples are reported with finish
+"abort"), `stop` aborts what is left and ends. Finished requests go
 back to the controller in one message per engine step. When the engine is idle the rank
 blocks on its inbox instead of spinning.
 
@@ -130,6 +131,10 @@ class InferenceRank:
             self.prefill.send(msg.meta["handoff"])
         elif msg.kind == Kind.RECV_KV:
             self.decode.receive(msg)
+        elif msg.kind == Kind.ABORT:
+            done = [c for rid in msg.meta["request_ids"] for c in self._abort(rid)]
+            if done and self.layout.is_replica_leader:
+                transport.send(protocol.completions(done), self.controller, self.up)
         elif msg.kind == Kind.LOAD_WEIGHTS:
             version = msg.meta["version"]
             self.beat.set(f"receiving weights v{version}")
@@ -144,6 +149,15 @@ class InferenceRank:
             transport.send(protocol.asleep(freed), self.controller, self.up)
         else:
             raise RuntimeError(f"inference rank got an unexpected message {msg.kind!r}")
+
+    def _abort(self, request_id: int) -> list:
+        """End a request on this replica -> the abort completions to report now (an engine's other
+        samples of it come out of its next step; nothing if it is not here)."""
+        role = self.prefill or self.decode
+        if role is not None:
+            return role.abort(request_id)
+        done = self.engine.abort(request_id)
+        return [] if done is None else [done]
 
     def _receive(self, version: int | None) -> None:
         """The trainer's weights into the engine, in place: the first ones (None) or `version`."""

@@ -195,7 +195,8 @@ class Controller:
         self.turns = TurnRouter(self.driver, self._send_requests, self._new_request_id, cfg.inference.sampling.top_p)
         self.where = self.turns.where  # request id -> episode key
         # inference.prefill_ranks > 0: prefill and decode pools (runtime/rollout/disagg.py)
-        self.pd = DisaggRouter(layout, self.where) if layout is not None and layout.roles.prefill_replicas else None
+        self.pd = (DisaggRouter(layout, self.where, cfg.inference.prefill_backlog)
+                   if layout is not None and layout.roles.prefill_replicas else None)
         eval_env = make_env(cfg.eval.env.name, **cfg.eval.env.kwargs()) if cfg.eval.env is not None else env
         self.evals = (OnlineEval(cfg.eval, eval_env, cfg.max_steps, cfg.seed, tokenizer, run_dir)
                       if cfg.eval.every else None)
@@ -224,6 +225,10 @@ class Controller:
             for more in self.inbox.drain():  # together: the turns they start go out in one message per rank
                 self._handle(more)
         self._shutdown()
+        if self.pd is not None:
+            log.info("P/D: %d first turns went through prefill replicas, %d were prefilled by their decode replica "
+                     "(prefill backlog >= %d tokens)", self.pd.num_first_turns["prefill"],
+                     self.pd.num_first_turns["decode"], self.pd.backlog_tokens)
         self.progress.close()
         self.metrics.close()
         return self.final
