@@ -4,7 +4,8 @@
 of a single-turn and a multi-turn environment (continuations are prefilled on the decode replica).
 Synchronous mode samples every step from exactly one version, so the run must give the rewards and
 samples of the same run on one engine replica, token for token (seeds are per request and the
-sampler's draws do not depend on the replica). Asynchronous mode (max_off_policy_steps = 1) must
+sampler's draws do not depend on the replica), also when a backed-up prefill pool makes the decode
+replica prefill some first turns itself (inference.prefill_backlog_tokens). Asynchronous mode (max_off_policy_steps = 1) must
 keep every token within the staleness bound. Nothing in the run holds a rollout until a weight
 update lands, and on this CPU a step's rollouts finish long before the trainer's step (measured: no
 rollout spanned two versions), so a weight update mid-rollout is not asserted here: the gloo test
@@ -47,6 +48,15 @@ def handoffs(run: Path) -> tuple[int, int]:
     return int(sent.group(1)), int(received.group(1))
 
 
+def first_turns(run: Path) -> tuple[int, int]:
+    """(first turns sent through the prefill replica, first turns prefilled by their decode replica),
+    from the controller's log."""
+    text = "\n".join(p.read_text() for p in (run / "logs").glob("rank*-controller.log"))
+    found = re.search(r"P/D: (\d+) first turns went through prefill replicas, (\d+) were prefilled by their decode", text)
+    assert found, "the controller logs its routing at the end"
+    return int(found.group(1)), int(found.group(2))
+
+
 def samples(run: Path, step: int) -> list[tuple]:
     rows = [json.loads(line) for line in (run / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
     return sorted((r["prompt"], r["completion"], r["reward"], r["finish_reason"], r["versions"]) for r in rows)
@@ -58,10 +68,15 @@ PD = ("--layout.num-inference-ranks", "2", "--inference.prefill-ranks", "1")
 def test_synchronous_rl_with_a_prefill_and_a_decode_replica_equals_one_replica(tmp_path):
     evals = ("--eval.every", "2", "--eval.num-examples", "4")  # evaluation episodes go through the pools too
     one = run_rl(tmp_path / "one", "--max-steps", "2", "--max-off-policy-steps", "0", *evals)
-    pd = run_rl(tmp_path / "pd", "--max-steps", "2", "--max-off-policy-steps", "0", *PD, *evals)
+    # a backlog of one token: a first turn goes to the prefill replica only while it has nothing
+    # outstanding, the others are prefilled by the decode replica (both routes, one run)
+    pd = run_rl(tmp_path / "pd", "--max-steps", "2", "--max-off-policy-steps", "0", *PD, *evals,
+                "--inference.prefill-backlog-tokens", "1")
     assert [row["step"] for row in pd] == [0, 1]
     sent, received = handoffs(tmp_path / "pd")
     assert sent == received > 0
+    through_prefill, direct = first_turns(tmp_path / "pd")
+    assert through_prefill > 0 and direct > 0, (through_prefill, direct)
     assert max(row["env/multiturn-sort/turns"] for row in pd) > 1  # continuations ran on the decode replica
     for a, b in zip(one, pd):
         assert a["reward/mean"] == b["reward/mean"] and a["rollouts/failed"] == b["rollouts/failed"] == 0
@@ -80,6 +95,7 @@ def test_asynchronous_rl_within_the_staleness_bound(tmp_path):
     assert rows[-1]["weights/version"] == 3
     sent, received = handoffs(tmp_path / "pd")
     assert sent == received > 0
+    assert first_turns(tmp_path / "pd")[1] == 0  # the default backlog (4 prefill steps) is never reached here
     # The staleness bound, per token: step s is dispatched once v(s-1) went out and v(s+1) needs it
     # trained, so its tokens record versions s-1 and s only (every sample of a step is logged).
     for step in range(3):
