@@ -2,23 +2,33 @@
 
 A prefill replica runs the ordinary `NativeEngine`, but a sequence leaves it as soon as its prompt
 is computed and its first token sampled: `PrefillRole.step` takes such sequences out of the
-scheduler with their block tables (*parked*: no row, not live, blocks still held) and describes
-them, per decode replica, in one PREFILLED message. A decode replica's `DecodeRole.receive`
-takes that description and the blocks and puts the sequences into its scheduler exactly as a
-single engine holds them right after a prefill (and its forks): running, not yet decoding, the
-prompt's blocks shared copy-on-write between the samples of one prompt, full blocks registered in
-the prefix cache when their k/v are of the replica's current weight version (leading full blocks
-that prefix cache already holds, e.g. a shared system prompt, are taken from it and the received
-copies dropped). It then decodes them like any other sequence: same rows, preemption (a preempted
-sequence is recomputed on the decode replica itself), stop rules, per-token versions.
+scheduler with their block tables (`Scheduler.detach`; *parked*: no row, not live, blocks still
+held) and describes them, per decode replica, in one PREFILLED message. A decode replica's
+`DecodeRole.receive` takes that description and puts the sequences into its scheduler
+(`Scheduler.adopt`) exactly as a single engine holds them right after a prefill (and its forks):
+running, not yet decoding, the prompt's blocks shared copy-on-write between the samples of one
+prompt, full blocks registered in the prefix cache when their k/v are of the replica's current
+weight version. Leading full blocks that its prefix cache already holds (a multi-turn
+continuation, a group repeating a prompt, a shared system prompt) are taken from it, as a single
+engine's admission takes them. Only the blocks it lacks travel: it sends the prefill replica a
+mask over the handoff's distinct blocks (1: send it), then receives those. It then decodes the
+sequences like any other: same rows, preemption (a preempted sequence is recomputed on the
+decode replica itself), stop rules, per-token versions.
 
     prefill replica                          controller                       decode replica
     GENERATE (meta decode = D) --> add
     step: prefill, sample token 0, park
     PREFILLED h (to the controller) ------->  relays, in one handler:
                                               SEND_KV h, dst D  -> prefill
-                                              RECV_KV (the PREFILLED data, src) ---------> receive
-    send_blocks h  ===================== kv group (NCCL / gloo) =========================> recv_blocks
+                                              RECV_KV (the PREFILLED data, src, drop) ---> receive
+    send: recv mask <=================== kv group (NCCL / gloo) ========================== mask
+          send_blocks (the masked ones) ===============================================> recv_blocks
+
+Aborts (`abort` on both roles; runtime/rollout/disagg.py routes them). On the prefill replica a
+request queued or prefilling is dropped from the engine (blocks freed); a parked one is reported
+aborted, and its blocks are held until its handoff is sent (the decode replica, told by RECV_KV's
+`drop`, does not ask for blocks that only it used). On the decode replica it is an engine abort.
+Each sample is reported once, with the tokens it had, as one engine's `abort` reports it.
 
 What a PREFILLED message holds (`_describe`): per sequence its request id, sample index, seed,
 prompt length, length limit, the weight version of its oldest k/v, its tokens (prompt + first
@@ -38,10 +48,10 @@ and its decode: the k/v are kept, the tokens sampled from then on record the new
 those blocks are never registered in the prefix cache.
 
 Room. A sequence is taken only when the decode replica has a free row and blocks for it; otherwise
-its blocks are received and dropped, and it waits as a preempted sequence does (tokens kept,
-recomputed on the decode replica when admitted). Sampling is counter-based on (seed, token index)
-(runtime/engine/sampling.py), and the seed travels with the sequence, so which replica samples a
-token does not change the draw.
+its blocks are not sent (unless a sequence taken shares them), and it waits as a preempted
+sequence does (tokens kept, recomputed on the decode replica when admitted). Sampling is
+counter-based on (seed, token index) (runtime/engine/sampling.py), and the seed travels with the
+sequence, so which replica samples a token does not change the draw.
 
 Not supported (refused by the config): tensor-parallel replicas, the vLLM backend, the colocated
 layout; models with linear-attention layers (their per-row recurrent state would have to travel

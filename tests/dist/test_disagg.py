@@ -5,8 +5,8 @@ change). Their completions and per-token versions must equal one engine's given 
 their logprobs up to the fp32 rounding of differently batched forwards (1e-5): n > 1 forks and
 identical prompts back to back, a prompt extending another, a request that ends at its first token,
 a multi-turn continuation on the decode replica (which must prefill only the new tokens), a decode
-replica so small that it preempts, one with too few rows for a handoff (it drops the received blocks
-and recomputes those sequences), a weight update in flight, and handoffs older than the decode
+replica so small that it preempts, one with too few rows for a handoff (those sequences' blocks are
+not sent and it recomputes them), a weight update in flight, and handoffs older than the decode
 replica's weights. Neither replica may end with a block still referenced. Plus the KV block
 transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches (before the decode
 replica's state changes).
