@@ -109,8 +109,9 @@ class Scheduler:
     # ------------------------------------------------------------------ handoffs (runtime/engine/disagg.py)
 
     def detach(self, seq: Sequence) -> None:
-        """Take a running sequence out of this scheduler (row freed, no longer live), keeping its
-        blocks and tokens: a prefill replica hands it to a decode replica."""
+        """Take a running sequence with no decode in flight out of this scheduler (row freed, no longer
+        live), keeping its blocks and tokens: a prefill replica hands it to a decode replica."""
+        assert not seq.inflight, "a sequence with a decode launch in flight cannot leave"
         self._free_row(seq)
         self._unlive(seq)
 

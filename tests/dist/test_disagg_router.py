@@ -12,7 +12,8 @@ Aborts: a request queued on the prefill replica (never admitted), one still wait
 full prefill budget, one half prefilled (a chunk computed), handoffs aborted while their blocks are
 in flight (before the relay: the prefill replica reports them and their blocks are not sent; after
 it: the decode replica takes them and aborts them before its next step), one sample of a group
-whose other samples share its blocks, and requests decoding on the decode replica. Afterwards both
+whose other samples share its blocks, a handoff whose only request is aborted in flight (nothing
+is sent), and a request decoding on the decode replica. Afterwards both
 replicas hold every block they started with (free-block counts back to their start, nothing
 referenced, nothing parked or live).
 
@@ -47,8 +48,8 @@ BUDGET = 40  # prefill tokens per step: the first wave needs three prefill steps
 PREFILL, DECODE = 1, 2
 
 
-def make_engine() -> NativeEngine:
-    return NativeEngine(scaled_random_model(Qwen3, ARGS, 0), max_model_len=64, device="cpu", dtype=torch.float32,
+def make_engine(device: str) -> NativeEngine:
+    return NativeEngine(scaled_random_model(Qwen3, ARGS, 0), max_model_len=64, device=device, dtype=torch.float32,
                         max_num_seqs=16, block_size=4, max_num_batched_tokens=BUDGET)
 
 
@@ -74,6 +75,7 @@ SCRIPT = {
     # 2 and 4 (a group's sample: 3 and 5 share its blocks) are parked, 5 relayed, 11 still waits
     "1+": {"early": [2, 4, 11], "late": [5]},
     "2+": {"early": [8]},  # parked, 7 shares its blocks
+    "3+": {"early": [9]},  # parked, alone in its handoff: nothing of it is sent
     "4+": {"early": [10]},  # half prefilled (one chunk computed)
     "5+": {"early": [6]},  # decoding on the decode replica for three steps
 }
@@ -95,8 +97,8 @@ def second_wave(done: list[tuple]) -> dict[int, tuple]:
 # ------------------------------------------------------------------------------- one engine
 
 
-def reference() -> list[tuple]:
-    engine, done, tick, sent = make_engine(), [], 0, False
+def reference(device: str = "cpu") -> list[tuple]:
+    engine, done, tick, sent = make_engine(device), [], 0, False
     while tick == 0 or engine.has_work() or not sent:
         tick += 1
         script = SCRIPT.get(tick, {})
@@ -186,8 +188,8 @@ def _where(role, engine: NativeEngine, rid: int) -> str:
     return "decoding" if len(seq.tokens) - seq.num_computed == 1 else "prefilling"
 
 
-def _replica(rank: int, kv, down, up) -> None:
-    engine = make_engine()
+def _replica(rank: int, kv, down, up, device: str) -> None:
+    engine = make_engine(device)
     role = PrefillRole(engine, kv, chunk_mb=0.002) if rank == PREFILL else DecodeRole(engine, kv)
     start_free = engine.blocks.num_free
     inbox = transport.Inbox(last_kinds=("end",))
@@ -232,46 +234,59 @@ def _replica(rank: int, kv, down, up) -> None:
     transport.send(Message("done", {**meta, "block_bytes": block_bytes(engine.kv)}), 0, up)
 
 
-def _job(rank, world_size, out):
+def _job(rank, world_size, out, device="cpu"):
     torch.set_num_threads(1)
-    down = {r: dist.new_group([0, r]) for r in (PREFILL, DECODE)}
-    up = {r: dist.new_group([0, r]) for r in (PREFILL, DECODE)}
-    kv = dist.new_group([PREFILL, DECODE])
+    down = {r: dist.new_group([0, r], backend="gloo") for r in (PREFILL, DECODE)}  # control messages
+    up = {r: dist.new_group([0, r], backend="gloo") for r in (PREFILL, DECODE)}
+    kv = dist.new_group([PREFILL, DECODE], backend="nccl" if device == "cuda" else "gloo")
     if rank == 0:
         _controller(down, up, out)
     else:
-        _replica(rank, kv, down[rank], up[rank])
+        _replica(rank, kv, down[rank], up[rank], device)
 
 
 @pytest.mark.slow
 def test_aborts_across_the_split_and_partial_handoffs_equal_one_engine(tmp_path):
     run_ranks(_job, 3, tmp_path)
+    check(tmp_path, reference())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_aborts_across_the_split_and_partial_handoffs_over_nccl(tmp_path):
+    """The same on two GPUs (the replicas on GPUs 0 and 1, the kv group NCCL; the reference engine on
+    GPU 0): the mask and the blocks go over NCCL. Not run on the CPU machine."""
+    run_ranks(_job, 3, tmp_path, "cuda", backend="cpu:gloo,cuda:nccl", devices=[0, 0, 1])
+    check(tmp_path, reference("cuda"))
+
+
+def check(tmp_path, ref: list[tuple]) -> None:
     got, states, stats = torch.load(tmp_path / "pd.pt")
-    ref = reference()
     assert [r[:2] for r in got] == [r[:2] for r in ref]
     for g, r in zip(got, ref):
         assert g[:3] + g[4:] == r[:3] + r[4:], f"request {g[0]} differs:\n{g}\n{r}"
         assert g[3] == pytest.approx(r[3], abs=1e-5, rel=0), f"request {g[0]} logprobs"
     finish = {r[0]: (r[5], len(r[2])) for r in ref}
-    assert {rid for rid, (reason, _) in finish.items() if reason == "abort"} == {1, 2, 4, 5, 6, 8, 10, 11}
-    assert finish[1][1] == finish[10][1] == finish[11][1] == 0 and finish[2][1] == finish[4][1] == finish[8][1] == 1
+    assert {rid for rid, (reason, _) in finish.items() if reason == "abort"} == {1, 2, 4, 5, 6, 8, 9, 10, 11}
+    assert [finish[rid][1] for rid in (1, 10, 11)] == [0] * 3  # aborted before their first token
+    assert [finish[rid][1] for rid in (2, 4, 8, 9)] == [1] * 4  # in flight: their first token only
     assert finish[6][1] == 3  # it decoded on the decode replica before the abort
     # every abort found its request where the scenario says (so none of them is vacuous); the decode
     # replica is told too while a request may still be on the prefill replica, and finds nothing there
     assert {k: v for k, v in states.items() if v != "absent"} == {
         "1:1": "waiting", "1:2": "parked", "1:4": "parked", "1:11": "waiting", "2:5": "decoding", "1:8": "parked",
-        "1:10": "prefilling", "2:6": "decoding"}, states
+        "1:9": "parked", "1:10": "prefilling", "2:6": "decoding"}, states
     prefill, decode = stats[PREFILL], stats[DECODE]
     per_block = prefill["block_bytes"]
     assert prefill["bytes"] == decode["bytes"] and prefill["bytes"] % per_block == 0, stats
     # Blocks sent, by hand (block size 4; a handoff's blocks hold its prompts' k/v). Wave 1: 0 (13
-    # tokens: 4 blocks), 3-5 (11: 3 blocks, shared), 6 (6: 2), 7-8 (5: 2, shared), 9 (17: 5) = 16;
-    # not 2's 2 (aborted in flight), nor anything of 1, 10, 11 (aborted before their prefill ended).
+    # tokens: 4 blocks), 3-5 (11: 3 blocks, shared), 6 (6: 2), 7-8 (5: 2, shared) = 11; not 2's 2 nor
+    # 9's 5 (17 tokens; aborted in flight), nor anything of 1, 10, 11 (aborted before their prefill ended).
     # Wave 2 (one handoff): 20 continues 0 (13 + 10 + 3 = 26 tokens: 7 blocks) and the decode replica
     # holds 0's first 5 (it computed 22 of 0's tokens); 21-22 repeat 3's prompt (3 blocks, shared),
     # of which it holds the 2 full ones: 2 + 1 sent.
-    assert prefill["bytes"] == (16 + 3) * per_block, stats
-    assert prefill["skipped"] == 2 + 5 + 2, stats
+    assert prefill["bytes"] == (11 + 3) * per_block, stats  # every block of every handoff would be 28
+    assert prefill["skipped"] == 2 + 5 + 5 + 2, stats
     # leading blocks the decode replica took from its prefix cache: 5's 2 (3's, adopted just before
     # it in the same handoff), 20's 5, 2 for each of 21 and 22
     assert decode["cached"] == 2 + 5 + 2 + 2, stats
