@@ -7,7 +7,8 @@ identical prompts back to back, a prompt extending another, a request that ends 
 a multi-turn continuation on the decode replica (which must prefill only the new tokens), a decode
 replica so small that it preempts, one with too few rows for a handoff (those sequences' blocks are
 not sent and it recomputes them), a weight update in flight, and handoffs older than the decode
-replica's weights. Neither replica may end with a block still referenced. Plus the KV block
+replica's weights. Neither replica may end with a block still referenced; both count the same bytes
+sent, and blocks the decode replica finds in its prefix cache (or has no row for) are not sent. Plus the KV block
 transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches (before the decode
 replica's state changes).
 """
@@ -155,7 +156,7 @@ def _prefill(name, kv, ctl, sync, out) -> None:
     assert not role.parked and role.num_handed_off > 0
     assert not any(role.engine.blocks.ref[1:]), f"{name}: the prefill replica leaks blocks"
     transport.send(Message("end"), 1, ctl)
-    torch.save(rows(done), out / f"{name}-prefill.pt")
+    torch.save((rows(done), role.num_bytes_sent, role.num_blocks_skipped), out / f"{name}-prefill.pt")
 
 
 def _decode(name, kv, ctl, sync, out) -> None:
@@ -190,7 +191,7 @@ def _decode(name, kv, ctl, sync, out) -> None:
     assert not any(engine.blocks.ref[1:]), f"{name}: the decode replica leaks blocks"
     stats = {"preemptions": engine.num_preemptions, "received": role.num_received, "cached": role.num_cached_blocks,
              "continuation_prefill": engine.num_prefill_tokens - before, "hits": engine.blocks.hits,
-             "recomputed": role.num_recomputed}
+             "recomputed": role.num_recomputed, "bytes": role.num_bytes_received}
     torch.save((rows(done), stats), out / f"{name}-decode.pt")
 
 
@@ -211,12 +212,17 @@ def test_prefill_and_decode_replicas_equal_one_engine(tmp_path):
     run_ranks(_job, 3, tmp_path)
     for name in SCENARIOS:
         check_scenario(tmp_path, name)
+    sent = {name: torch.load(tmp_path / f"{name}-prefill.pt")[1] for name in ("plain", "rows")}
+    assert 0 < sent["rows"] < sent["plain"], sent  # the sequences without a row have their blocks not sent
 
 
 def check_scenario(tmp_path, name: str) -> None:
     ref, ref_continuation = reference(name)
-    early = torch.load(tmp_path / f"{name}-prefill.pt")
+    early, sent, skipped = torch.load(tmp_path / f"{name}-prefill.pt")
     got, stats = torch.load(tmp_path / f"{name}-decode.pt")
+    assert sent == stats["bytes"] > 0, (sent, stats)  # both sides count the blocks that travelled
+    if name == "plain":  # the leading blocks found in the prefix cache at receipt are not sent
+        assert skipped == 3 + 2 + 1, skipped  # request 6's (0's prompt), 7's (3's), 10's (2's); forks share them
     assert [r[0] for r in early] == [5] + ([55] if name == "update" else []), "only max_tokens=1 ends on prefill"
     got = sorted(got + early)
     assert [r[:2] for r in got] == [r[:2] for r in ref]
