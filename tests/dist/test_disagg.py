@@ -8,9 +8,9 @@ a multi-turn continuation on the decode replica (which must prefill only the new
 replica so small that it preempts, one with too few rows for a handoff (those sequences' blocks are
 not sent and it recomputes them), a weight update in flight, and handoffs older than the decode
 replica's weights. Neither replica may end with a block still referenced; both count the same bytes
-sent, and blocks the decode replica finds in its prefix cache (or has no row for) are not sent. Plus the KV block
-transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches (before the decode
-replica's state changes).
+sent, and blocks the decode replica finds in its prefix cache (or has no row for) are not sent.
+Plus the KV block transfer on its own: bit-for-bit equal blocks, and refused geometry mismatches
+(before the decode replica's state changes).
 """
 
 from __future__ import annotations
