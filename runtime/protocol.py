@@ -29,7 +29,8 @@ Prefill/decode disaggregation only (inference.prefill_ranks; runtime/engine/disa
 
     prefill    -> controller  PREFILLED     sequences whose prompt is computed, bound for a decode
                                             replica: everything but their KV blocks
-    controller -> prefill     SEND_KV       send handoff h's blocks on the kv group
+    controller -> prefill     SEND_KV       send handoff h's blocks that the decode replica asks for
+                                            (its mask comes first, on the kv group)
     controller -> decode      RECV_KV       the PREFILLED data; receive its blocks from meta src
                                             (meta drop: request ids aborted while in flight)
     (GENERATE to a prefill replica carries meta `decode`: the decode rank of its requests)
