@@ -1,7 +1,8 @@
 """How a colocated trainer and engine split one GPU's memory (layout.colocate).
 
 The engine takes what is fixed: its weights in the inference dtype, its KV cache (a budget, not
-whatever happens to be free: both processes start at once) and a reserve for CUDA graphs,
+whatever happens to be free: both processes start at once), the recurrent states of a model with
+linear-attention layers (Qwen3.5, Qwen3-Next: one slot per max_num_seqs row) and a reserve for CUDA graphs,
 workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest, which must hold its share of the fp32 parameters, their
 gradients and AdamW's two moments (with LoRA: the frozen fp32 base, and those three for the adapters
 only), the shared weight buffer of the colocated path, one layer's
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from meshrl.models.common.lora import resolve_targets
+from meshrl.models.common.probe import recurrent_state_bytes
 from meshrl.runtime.config import RLConfig
 from meshrl.runtime.policy import policy_skeleton
 
@@ -48,11 +50,12 @@ class MemoryPlan:
     gathered_layer: int  # one layer's full bf16 weights during FSDP2's forward / backward
     activations: int  # one micro-batch, estimated
     logprob_head: int  # one chunk of fp32 logits and its gradient
+    recurrent_states: int = 0  # linear-attention layers' state slots, max_num_seqs rows (native engine)
     sleeps: bool = False  # inference.sleep_while_training: the KV cache and the step's memory alternate
 
     @property
     def engine(self) -> int:
-        return self.engine_weights + self.kv_cache + self.engine_reserve + CONTEXT
+        return self.engine_weights + self.kv_cache + self.recurrent_states + self.engine_reserve + CONTEXT
 
     @property
     def trainer(self) -> int:
@@ -68,13 +71,14 @@ class MemoryPlan:
         """Both processes at their largest at once; with sleeps, the KV cache and the step's memory
         are never held together."""
         if self.sleeps:
-            return self.engine + self.trainer - min(self.kv_cache, self.step_memory)
+            return self.engine + self.trainer - min(self.kv_cache + self.recurrent_states, self.step_memory)
         return self.engine + self.trainer
 
     def describe(self) -> str:
         g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
         return (f"engine {g(self.engine)} GiB (weights {g(self.engine_weights)}, KV cache {g(self.kv_cache)}, "
-                f"reserve {g(self.engine_reserve + CONTEXT)}) + trainer {g(self.trainer)} GiB (parameters, gradients "
+                + (f"recurrent states {g(self.recurrent_states)}, " if self.recurrent_states else "")
+                + f"reserve {g(self.engine_reserve + CONTEXT)}) + trainer {g(self.trainer)} GiB (parameters, gradients "
                 f"and AdamW {g(self.trainer_state)}, shared weight buffer {g(self.staging)}, one gathered layer "
                 f"{g(self.gathered_layer)}, activations of one micro-batch ~{g(self.activations)} (estimated), "
                 f"logprob head {g(self.logprob_head)}, context {g(CONTEXT)})"
@@ -124,8 +128,17 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
         gathered_layer=2 * 2 * layer_params,  # bf16 weights and their gradients
         activations=_ACTIVATION_BYTES_PER_DIM[ac] * dim * tokens * len(layers),
         logprob_head=3 * 4 * chunk * vocab,
+        recurrent_states=_recurrent_states(cfg, model),
         sleeps=cfg.inference.sleep_while_training,
     )
+
+
+def _recurrent_states(cfg: RLConfig, model: torch.nn.Module) -> int:
+    """The native engine's linear-attention state slots for `model` (0 for vLLM, which sizes its
+    own inside its KV budget, and for models without linear-attention layers)."""
+    if cfg.inference.backend == "vllm":
+        return 0
+    return recurrent_state_bytes(model, cfg.inference.max_num_seqs, torch.bfloat16)
 
 
 def check(cfg: RLConfig) -> MemoryPlan:
@@ -144,7 +157,7 @@ def cap_process(cfg: RLConfig, role: str, device: torch.device) -> None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
     p = plan(cfg, device_bytes(cfg))
-    # a sleeping engine gives its KV cache to the trainer while it steps: the trainer may use it then
-    engine = p.engine - p.kv_cache if p.sleeps else p.engine
+    # a sleeping engine gives its KV cache and states to the trainer while it steps: the trainer may use them then
+    engine = p.engine - p.kv_cache - p.recurrent_states if p.sleeps else p.engine
     share = p.engine if role == "inference" else p.device - engine
     torch.cuda.set_per_process_memory_fraction(min(share / total, 1.0), device)

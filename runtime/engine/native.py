@@ -81,10 +81,10 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshrl.models.common import fp8
+from meshrl.models.common.probe import probe as probe_shapes
 from meshrl.runtime.engine.api import Completion, Request
 from meshrl.runtime.engine.kv_cache import BlockManager, KVCache, triton_available
 from meshrl.runtime.engine.recurrent_state import RecurrentStates
@@ -93,32 +93,6 @@ from meshrl.runtime.engine.scheduler import Scheduler, check as check_scheduler
 from meshrl.runtime.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-class _Probe:
-    """Records each layer's id, k/v heads, k head dim and v head dim in one throw-away forward
-    (the cache is shaped by it)."""
-
-    def __init__(self) -> None:
-        self.layers: list[tuple[int, int, int, int]] = []
-        self.linear: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # layer -> (conv, delta-rule) state shapes
-
-    def attend(self, layer_id, q, k, v, window=None, sinks=None):
-        self.layers.append((layer_id, k.shape[1], k.shape[3], v.shape[3]))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-
-    def attend_latent(self, layer_id, q_nope, q_rope, latent, k_rope, wkv_b, v_head_dim, index=None, keep=None,
-                      index_dim=0):
-        # MLA (models/common/mla.py): one kv "head" of latent + rope key (+ index key) per token, no values.
-        self.layers.append((layer_id, 1, latent.shape[-1] + k_rope.shape[-1] + index_dim, 0))
-        return q_nope.new_zeros(*q_nope.shape[:-1], v_head_dim)  # a throw-away forward
-
-    def attend_linear(self, layer_id, qkv, g, beta, mix):
-        # A linear-attention layer (models/common/linear_attention.py): recurrent state, no k/v.
-        starts = torch.ones(qkv.shape[:2], dtype=torch.bool, device=qkv.device)
-        o, conv_state, state = mix(qkv, g, beta, starts, None, None)
-        self.linear[layer_id] = (tuple(conv_state.shape[1:]), tuple(state.shape[1:]))
-        return o
 
 
 @dataclass(eq=False)
@@ -226,10 +200,7 @@ class NativeEngine:
         """One throw-away forward -> the model's attention layer ids, k/v heads, k and v head dims
         (ValueError if its layers differ: the cache has one shape for all of them), and the state
         shapes of its linear-attention layers by layer id."""
-        with torch.inference_mode():
-            probe = _Probe()
-            one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            self.model.hidden(one, one, probe)
+        probe = probe_shapes(self.model)
         layer_ids = [layer_id for layer_id, *_ in probe.layers]
         first = probe.layers[0][1:]
         for layer_id, *shape in probe.layers:

@@ -3,6 +3,7 @@ plan, and the engine's sleep / wake on the CPU."""
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,36 @@ def test_the_memory_plan_refuses_a_gpu_too_small_with_the_numbers():
                                 "layout": {"colocate": True, "gpu_memory_gib": 4}})
     with pytest.raises(ValueError, match=r"one GPU cannot hold the trainer and its engine: engine .* GiB .* of 4.00 GiB"):
         memory.check(small)
+
+
+def test_the_memory_plan_counts_the_recurrent_states_a_native_engine_allocates():
+    """A hybrid linear-attention model (Qwen3.5) keeps a state slot per row beside its KV cache:
+    the plan holds exactly what a native engine of that config allocates (0 for Qwen3)."""
+    from meshrl.models import get_family
+
+    raw = {"model": {"family": "qwen3_5", "flavor": "debug", "tokenizer": "char"}, "layout": {"colocate": True},
+           "inference": {"max_num_seqs": 6, "max_model_len": 96}}
+    plan = memory.plan(validate(RLConfig, raw), 24 * memory.GIB)
+    fam = get_family("qwen3_5")
+    args = replace(fam.flavors["debug"], vocab_size=plan_vocab(raw))
+    engine = NativeEngine(fam.model_cls(args), max_num_seqs=6, max_model_len=96, device="cpu", dtype=torch.bfloat16,
+                          num_blocks=8)
+    assert plan.recurrent_states == engine.states.nbytes() > 0
+    assert plan.engine == plan.engine_weights + plan.kv_cache + plan.recurrent_states + plan.engine_reserve + memory.CONTEXT
+    assert f"recurrent states {plan.recurrent_states / memory.GIB:.2f}" in plan.describe()
+    asleep = memory.plan(validate(RLConfig, {**raw, "max_off_policy_steps": 0,
+                                             "inference": {**raw["inference"], "sleep_while_training": True}}),
+                         24 * memory.GIB)
+    assert asleep.peak == plan.peak - min(plan.kv_cache + plan.recurrent_states, plan.step_memory)  # freed asleep
+    qwen3 = memory.plan(validate(RLConfig, {**raw, "model": {"flavor": "debug", "tokenizer": "char"}}), 24 * memory.GIB)
+    assert qwen3.recurrent_states == 0
+
+
+def plan_vocab(raw: dict) -> int:
+    from meshrl.runtime.config import ModelConfig
+    from meshrl.runtime.policy import load_tokenizer_for
+
+    return len(load_tokenizer_for(validate(ModelConfig, raw["model"])))
 
 
 def test_a_sleeping_engine_frees_its_cache_and_serves_the_same_after_waking():
