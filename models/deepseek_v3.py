@@ -29,15 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.decoder import DecoderLM
-from meshrl.models.common.ffn import FeedForward
-from meshrl.models.common.init import NORMAL, ONES, RESIDUAL, Constant
 from meshrl.models.common.mla import MLAttention, mla_keys
-from meshrl.models.common.moe import MoE, Routing
-from meshrl.models.common.norm import RMSNorm
+from meshrl.models.common.moe import Routing
+from meshrl.models.common.moe_block import SHARED_EXPERT_INIT_RULES, SharedExpertBlock, expert_parallel_plan
 from meshrl.models.common.rope import RotaryEmbedding, YarnRopeScaling
 from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, ROUTED_MOE_KEYS, SWIGLU_KEYS,
                                              KeyMap, StateDictAdapter)
@@ -207,24 +203,11 @@ FLAVORS: dict[str, DeepseekV3Args] = {
 # expert / dense w1/w3; the residual output projections (attention.wo, feed_forward.w2, the
 # experts' and shared experts' w2) ~ N(0, 0.02 / sqrt(2 * n_layers)); RMSNorm weights (the
 # latent norms too) 1; biases 0; the frozen expert bias 0.
-INIT_RULES = (
-    ("*norm.weight", ONES),
-    ("*.bias", Constant(0.0)),
-    ("*moe.expert_bias", Constant(0.0)),
-    ("*attention.wo.weight", RESIDUAL),
-    ("*feed_forward.w2.weight", RESIDUAL),
-    ("*moe.experts.w2", RESIDUAL),
-    ("*moe.shared_expert.w2.weight", RESIDUAL),
-    ("*", NORMAL),
-)
+INIT_RULES = SHARED_EXPERT_INIT_RULES
 
 # Sharding plan as data (Qwen3-MoE's): experts split over ep on dim 0, wrapped on the expert-FSDP
 # mesh, then every block, then the root. No inference TP.
-PARALLEL_PLAN: dict[str, Any] = {
-    "fsdp_units": ["layers.*"],
-    "expert_fsdp_units": ["layers.*.moe.experts"],
-    "ep": {"layers.*.moe.experts": "shard_dim0"},
-}
+PARALLEL_PLAN: dict[str, Any] = expert_parallel_plan()
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,31 +215,16 @@ PARALLEL_PLAN: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + mla(norm(x)), then + ffn(norm(.)), ffn = `moe` or `feed_forward`."""
+class TransformerBlock(SharedExpertBlock):
+    """Pre-norm block: x + mla(norm(x)), then + ffn(norm(.)), ffn = `moe` or `feed_forward`
+    (common/moe_block.py)."""
 
     def __init__(self, args: DeepseekV3Args, layer_id: int) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MLAttention(args.dim, args.n_heads, layer_id, q_lora_rank=args.q_lora_rank,
-                                     kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-                                     qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
-                                     bias=args.attention_bias, rope_interleave=args.rope_interleave,
-                                     softmax_scale=1.0 if args.rope_scaling is None else args.rope_scaling.softmax_scale)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.is_moe = args.is_moe_layer(layer_id)
-        if self.is_moe:
-            self.moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k,
-                           shared_hidden_dim=args.moe_hidden_dim * args.num_shared_experts, routing=args.routing,
-                           shared_gate=False)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        # x: (B, T, dim) -> (B, T, dim)
-        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        ffn = self.moe if self.is_moe else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        super().__init__(args, layer_id, MLAttention(
+            args.dim, args.n_heads, layer_id, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+            bias=args.attention_bias, rope_interleave=args.rope_interleave,
+            softmax_scale=1.0 if args.rope_scaling is None else args.rope_scaling.softmax_scale))
 
 
 class DeepseekV3(DecoderLM):

@@ -34,11 +34,9 @@ from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext, CausalAttention
 from meshrl.models.common.decoder import DecoderLM
-from meshrl.models.common.ffn import FeedForward
-from meshrl.models.common.init import NORMAL, ONES, RESIDUAL, Constant
 from meshrl.models.common.mla import MLAttention, mla_keys
-from meshrl.models.common.moe import MoE, Routing
-from meshrl.models.common.norm import RMSNorm
+from meshrl.models.common.moe import Routing
+from meshrl.models.common.moe_block import SHARED_EXPERT_INIT_RULES, SharedExpertBlock, expert_parallel_plan
 from meshrl.models.common.rope import RotaryEmbedding, YarnRopeScaling, apply_rope_interleaved
 from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, ROUTED_MOE_KEYS, SWIGLU_KEYS,
                                              KeyMap, StateDictAdapter)
@@ -205,23 +203,10 @@ FLAVORS: dict[str, GlmMoeDsaArgs] = {
 # Init scheme (DeepSeek-V3's): N(0, 0.02) for the embedding, projections (the indexer's too),
 # router and expert / dense w1/w3; the residual output projections ~ N(0, 0.02 / sqrt(2 *
 # n_layers)); RMSNorm and the indexer's LayerNorm weights 1, its bias 0; the frozen expert bias 0.
-INIT_RULES = (
-    ("*norm.weight", ONES),
-    ("*.bias", Constant(0.0)),
-    ("*moe.expert_bias", Constant(0.0)),
-    ("*attention.wo.weight", RESIDUAL),
-    ("*feed_forward.w2.weight", RESIDUAL),
-    ("*moe.experts.w2", RESIDUAL),
-    ("*moe.shared_expert.w2.weight", RESIDUAL),
-    ("*", NORMAL),
-)
+INIT_RULES = SHARED_EXPERT_INIT_RULES
 
 # Sharding plan as data (DeepSeek-V3's). No inference TP.
-PARALLEL_PLAN: dict[str, Any] = {
-    "fsdp_units": ["layers.*"],
-    "expert_fsdp_units": ["layers.*.moe.experts"],
-    "ep": {"layers.*.moe.experts": "shard_dim0"},
-}
+PARALLEL_PLAN: dict[str, Any] = expert_parallel_plan()
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,29 +287,19 @@ class DSAttention(MLAttention):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1)), keep
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + dsa(norm(x)), then + ffn(norm(.)); passes the key selection on."""
+class TransformerBlock(SharedExpertBlock):
+    """Pre-norm block: x + dsa(norm(x)), then + ffn(norm(.)) (common/moe_block.py); passes the key
+    selection on."""
 
     def __init__(self, args: GlmMoeDsaArgs, layer_id: int) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = DSAttention(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.is_moe = args.is_moe_layer(layer_id)
-        if self.is_moe:
-            self.moe = MoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k,
-                           shared_hidden_dim=args.moe_hidden_dim * args.num_shared_experts, routing=args.routing,
-                           shared_gate=False)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        super().__init__(args, layer_id, DSAttention(args, layer_id))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
                 keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         # x: (B, T, dim) -> (B, T, dim), the selection of this (or the last full) layer
         a, keep = self.attention(self.attention_norm(x), cos, sin, attn, keep)
         h = x + a
-        ffn = self.moe if self.is_moe else self.feed_forward
-        return h + ffn(self.ffn_norm(h)), keep
+        return h + self.ffn(h), keep
 
 
 class GlmMoeDsa(DecoderLM):

@@ -40,6 +40,7 @@ from meshrl.models.common.decoder import DecoderLM
 from meshrl.models.common.gqa import GQAttention, gqa_keys
 from meshrl.models.common.init import NORMAL, ONES, RESIDUAL, Constant
 from meshrl.models.common.moe import ClampedSwiGLU, MoE, Routing
+from meshrl.models.common.moe_block import expert_parallel_plan
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, YarnRopeScaling
 from meshrl.models.common.state_dict import DECODER_KEYS, KeyMap, Packed, StateDictAdapter
@@ -192,11 +193,7 @@ INIT_RULES = (
 
 # Sharding plan as data: every expert tensor (weights and biases) split over ep on dim 0 and
 # wrapped on the expert-FSDP mesh, then every block, then the root. No inference TP.
-PARALLEL_PLAN: dict[str, Any] = {
-    "fsdp_units": ["layers.*"],
-    "expert_fsdp_units": ["layers.*.moe.experts"],
-    "ep": {"layers.*.moe.experts": "shard_dim0"},
-}
+PARALLEL_PLAN: dict[str, Any] = expert_parallel_plan()
 
 
 # --------------------------------------------------------------------------------------------
