@@ -461,11 +461,13 @@ class PagedAttention:
     with the null block; nb * block_size must reach past every row's last position.
     context_lens (B,) int32: positions + 1 of the last new token (decode kernel only).
     fresh: no row has cached tokens before its new ones (a plain prefill), so attention can run
-    causally on the new tokens alone.
+    causally on the new tokens alone. dense: a CPU decode's dense copy of the rows' k/v
+    (runtime/engine/dense_decode.py), written beside the paged cache and read instead of it.
     """
 
     def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, tables: Tensor,
-                 context_lens: Tensor | None = None, backend: AttentionBackend = "torch", fresh: bool = False) -> None:
+                 context_lens: Tensor | None = None, backend: AttentionBackend = "torch", fresh: bool = False,
+                 dense=None) -> None:
         self.cache = cache
         self.slots = slots
         self.positions = positions
@@ -474,6 +476,7 @@ class PagedAttention:
         self.context_lens = context_lens
         self.backend = backend
         self.fresh = fresh
+        self.dense = dense
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
                sinks: Tensor | None = None) -> Tensor:
@@ -483,8 +486,12 @@ class PagedAttention:
         every block stays cached, the window is a mask.
         """
         k_cache, v_cache = write_kv(self.cache, layer_id, self.slots.reshape(-1), k, v)
-        k_scales, v_scales = self.cache.layer_scales(layer_id)
         plain = window is None and sinks is None
+        if self.dense is not None:
+            self.dense.write(layer_id, k, v)
+            if plain:
+                return self.dense.attend(layer_id, q)
+        k_scales, v_scales = self.cache.layer_scales(layer_id)
         if self.fresh and plain:
             # Right padding sits after every real token, so causal attention never reads it.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

@@ -343,6 +343,7 @@ class NativeEngine:
             self._launched = None
         self.blocks.clear_prefix_cache()
         freed = self.kv.release() + (self.states.release() if self.states is not None else 0)
+        freed += self.runner.dense.release() if self.runner.dense is not None else 0
         self.runner.drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -360,11 +361,18 @@ class NativeEngine:
             self.kv.restore()
             if self.states is not None:
                 self.states.restore()
+            if self.runner.dense is not None:
+                self.runner.dense.restore()
 
     def check(self) -> None:
-        """Assert the bookkeeping invariants between steps: blocks, and every row's host inputs and
-        device block table against its sequence (for tests)."""
+        """Assert the bookkeeping invariants between steps: blocks, every row's host inputs and
+        device block table against its sequence, and a CPU engine's dense k/v of every decoding
+        row against the paged cache (for tests)."""
         check_scheduler(self.scheduler)
+        if self.runner.dense is not None and not self.asleep:
+            for r, seq in self.scheduler.running.items():
+                if seq.ready:
+                    self.runner.dense.check(r, seq.table, seq.num_computed)
 
     # ------------------------------------------------------------------ one step's parts
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshrl.runtime.engine.dense_decode import DenseDecode, DenseRows, dense_rows_fit
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
 from meshrl.runtime.engine.recurrent_state import HybridPagedAttention, RecurrentStates
 from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
@@ -66,6 +67,7 @@ class DecodeRows:
         self.count = array("q", bytes(8 * num_rows))
         self.follow = array("q", bytes(8 * num_rows))
         self.table_updates: list[int] = []  # row, index, block, row, index, block, ...
+        self.refills: list[int] = []  # rows whose whole table was queued: their dense k/v are refilled
         self.inputs = torch.zeros((4, num_rows, 1), dtype=torch.long, device=device)  # token, position, slot, count
         self.context_lens = torch.ones(num_rows, dtype=torch.int32, device=device)
         self.tables = torch.zeros((num_rows, max_blocks), dtype=torch.int32, device=device)
@@ -113,6 +115,9 @@ class ModelRunner:
         self.tp_group = tp_group
         # Persistent decode inputs, one entry per row (the scheduler writes their host side).
         self.rows = DecodeRows(max_num_seqs, max_blocks, device)
+        # CPU decode attention over a dense copy of the rows' k/v (runtime/engine/dense_decode.py).
+        self.dense = DenseRows(kv, max_num_seqs, max_blocks) if dense_rows_fit(kv, device, attention, states is not None) \
+            else None
         self._buckets = _batch_buckets(max_num_seqs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -208,10 +213,10 @@ class ModelRunner:
             if key not in self.graphs:
                 self._capture(*key)
             graph, (tokens, logprobs) = self.graphs[key]
-            rows.push(B)
+            self._push(B)
             graph.replay()
         else:
-            rows.push(B)
+            self._push(B)
             tokens, logprobs = sample(self._decode_forward(B, nb), self._sampling_batch, rows.inputs[3, :B, 0])
         out = self._samples(tokens, logprobs)  # (2, B); every rank of a TP replica feeds rank 0's tokens
         rows.last[:B].copy_(out[0])
@@ -226,6 +231,15 @@ class ModelRunner:
             host = out
         return host, event
 
+    def _push(self, B: int) -> None:
+        """The rows' inputs to the device, then the dense k/v of rows that start decoding (CPU)."""
+        rows = self.rows
+        rows.push(B)
+        if rows.refills and self.dense is not None:
+            nb = max(rows.position[r] for r in rows.refills) // self.block_size + 1
+            self.dense.refill(rows.refills, rows.tables, min(nb, self.max_blocks))
+        rows.refills = []
+
     @staticmethod
     def read_decode(host: torch.Tensor, event: torch.cuda.Event | None) -> tuple[list[int], list[float]]:
         """A launch's (2, B) samples on the host, once they are there -> tokens and logprobs by row."""
@@ -237,8 +251,9 @@ class ModelRunner:
         """The decode forward over rows [0, B) of the buffers -> logits (B, V): what a graph captures."""
         inputs = self.rows.inputs
         if self.states is None:
+            dense = DenseDecode(self.dense, inputs[2, :B], inputs[1, :B], nb * self.block_size) if self.dense is not None else None
             attn = PagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
-                                  self.rows.context_lens[:B], backend=self.attention)
+                                  self.rows.context_lens[:B], backend=self.attention, dense=dense)
         else:
             attn = HybridPagedAttention(self.kv, inputs[2, :B], inputs[1, :B], self.rows.tables[:B, :nb],
                                         self.rows.context_lens[:B], backend=self.attention, states=self.states,

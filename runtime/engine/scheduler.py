@@ -261,6 +261,7 @@ class Scheduler:
                 if not seq.ready:
                     for i, block in enumerate(seq.table):
                         rows.table_updates += (r, i, block)
+                    rows.refills.append(r)
                     seq.ready = True
                 elif changed:
                     rows.table_updates += (r, index, seq.table[index])
