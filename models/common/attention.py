@@ -444,8 +444,12 @@ class SplitDocumentAttention:
         bounds = self.bounds()
         if len(bounds) == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
-                                               enable_gqa=gqa) for s, e in bounds]
+        # torch.split, not one slice per document: the backward of n slices builds n zero-filled
+        # row-sized gradients and adds them up (quadratic in the documents of a row); a split's
+        # backward is one concatenation of the pieces. Same views, same values.
+        sizes = [e - s for s, e in bounds]
+        outs = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+                for qd, kd, vd in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2))]
         return torch.cat(outs, dim=2)
 
 

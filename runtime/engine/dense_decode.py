@@ -57,16 +57,19 @@ class DenseRows:
         # One more row than the engine has: pad rows of a batch write their k/v there.
         self._shape = (n_layers, 2, num_rows + 1, kv.num_kv_heads, self.capacity, kv.head_dim)
         self.data = torch.zeros(self._shape, dtype=kv.data.dtype, device=kv.data.device)
+        self._views: dict[int, tuple[Tensor, Tensor]] = {}  # layer id -> (k, v) views of data
 
     def release(self) -> int:
         """Free the storage (a sleeping engine) -> bytes freed; `restore` allocates it again."""
         freed = self.data.numel() * self.data.element_size()
         self.data = self.data.new_empty(0)
+        self._views = {}
         return freed
 
     def restore(self) -> None:
         if self.data.numel() == 0:
             self.data = torch.zeros(self._shape, dtype=self.kv.data.dtype, device=self.kv.data.device)
+            self._views = {}
 
     def refill(self, rows: list[int], tables: Tensor, num_blocks: int) -> None:
         """Copy the first num_blocks blocks of each row's device block table (tables (R, max_blocks)
@@ -79,8 +82,11 @@ class DenseRows:
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(k, v) of one layer, each (num_rows, Hkv, Lcap, D), views of `data`."""
-        i = self.kv.index[layer_id]
-        return self.data[i, 0], self.data[i, 1]
+        views = self._views.get(layer_id)
+        if views is None:
+            i = self.kv.index[layer_id]
+            views = self._views[layer_id] = (self.data[i, 0], self.data[i, 1])
+        return views
 
     def check(self, row: int, table: list[int], length: int) -> None:
         """Assert that the row's dense keys and values of positions [0, length) are the paged cache's."""

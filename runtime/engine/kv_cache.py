@@ -227,6 +227,7 @@ class KVCache:
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.fp8 = fp8
+        self._views: dict[int, tuple[Tensor, Tensor]] = {}  # layer id -> (k, v) views (`layer`)
         shape = (len(layer_ids), num_kv_heads, num_blocks, block_size)
         self.data: Tensor | None = None
         self.scales: Tensor | None = None
@@ -264,11 +265,15 @@ class KVCache:
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(k, v) of one layer, each a (num_blocks, block_size, Hkv, its head dim) view of the head-major storage."""
-        if layer_id not in self.index:
-            raise ValueError(f"attention layer {layer_id} has no KV cache (the cache holds layers {sorted(self.index)})")
-        i = self.index[layer_id]
-        k, v = self._storage()
-        return k[i].permute(1, 2, 0, 3), v[i].permute(1, 2, 0, 3)
+        views = self._views.get(layer_id)  # made once: every layer of every forward asks
+        if views is None:
+            if layer_id not in self.index:
+                raise ValueError(f"attention layer {layer_id} has no KV cache (the cache holds layers "
+                                 f"{sorted(self.index)})")
+            i = self.index[layer_id]
+            k, v = self._storage()
+            views = self._views[layer_id] = (k[i].permute(1, 2, 0, 3), v[i].permute(1, 2, 0, 3))
+        return views
 
     def layer_scales(self, layer_id: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
         """FP8 cache: (k scales, v scales) of one layer, each a (num_blocks, block_size, Hkv) fp32 view
@@ -286,6 +291,7 @@ class KVCache:
         self._released = {name: (tuple(t.shape), t.dtype, t.device) for name, t in tensors.items()}
         for name, t in tensors.items():
             setattr(self, name, t.new_empty(0))
+        self._views = {}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @property
@@ -297,6 +303,7 @@ class KVCache:
         for name, (shape, dtype, device) in self._released.items():
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
         self._released = {}
+        self._views = {}
 
     def storages(self) -> list[tuple[Tensor, int]]:
         """Every storage tensor with its block dim: the k/v tensor `data` (or keys and values apart)

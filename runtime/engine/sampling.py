@@ -95,9 +95,10 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow (split c in 16-bit halves)."""
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (hi + x * (c & 0xFFFF)) & _M32
+    """(x * c) mod 2**32 for x, c in [0, 2**32), in int64: the product may pass 2**63, but int64
+    multiplication wraps modulo 2**64 on CPU and CUDA, which keeps its low 32 bits exact (two
+    kernels; tests/unit/test_sampling.py checks the wrap against Python's integers)."""
+    return (x * c) & _M32
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -280,7 +281,9 @@ def _chunk_stats(logits: Tensor, divisor: Tensor, chunk: int) -> tuple[Tensor, T
     B, V = logits.shape
     n = -(-V // chunk)
     x = logits.float() / divisor[:, None]
-    x = torch.nn.functional.pad(x, (0, n * chunk - V), value=float("-inf")).view(B, n, chunk)
+    if n * chunk != V:
+        x = torch.nn.functional.pad(x, (0, n * chunk - V), value=float("-inf"))
+    x = x.view(B, n, chunk)
     cmax, carg = x.max(dim=-1)
     return cmax, (x - cmax[..., None]).exp().sum(dim=-1), carg
 

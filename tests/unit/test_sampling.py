@@ -188,3 +188,13 @@ def test_triton_chunk_stats_match_torch():
     ref_sum = (x.view(37, 149, 1024) - ref_max[..., None]).exp().sum(-1)
     assert torch.allclose(cmax, ref_max, rtol=1e-6) and torch.allclose(csum, ref_sum, rtol=1e-5)
     assert torch.equal(carg, ref_arg)
+
+
+def test_mul32_keeps_the_low_bits_of_a_wrapping_product():
+    """The RNG's 32-bit multiply relies on int64 products wrapping modulo 2**64 (they pass 2**63)."""
+    from meshrl.runtime.engine.sampling import _mul32
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randint(0, 2**32, (50000,), generator=g), torch.tensor([0, 1, 2**31, 2**32 - 1])])
+    for c in (0x7FEB352D, 0x846CA68B, 2**32 - 1):
+        assert _mul32(x, c).tolist() == [(v * c) % 2**32 for v in x.tolist()]
