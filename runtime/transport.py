@@ -13,6 +13,12 @@ the header is JSON, never pickle. Nested keys travel as "a.b" and come back nest
 rank can wait for "anything from anyone" with one `queue.get`, and an engine can poll
 between decode steps without blocking. A receive error (a dead peer, a timeout) is put on
 the queue too and raised by the consumer: it never dies silently in the thread.
+
+`Outbox` is the other direction: a thread that sends one rank's messages to one peer in the
+order they were queued, so that an engine does not wait, between two decode steps, for the
+controller to take each batch of completions (three blocking sends each; on a loaded CPU
+machine up to a fifth of a rollout's time went there). A send error is raised by the next
+`send` or by `close`.
 """
 
 from __future__ import annotations
@@ -158,3 +164,41 @@ class Inbox:
         while (msg := self.get(timeout=0)) is not None:
             out.append(msg)
         return out
+
+
+class Outbox:
+    """Send messages to one peer (dst, group) from a background thread, in queue order.
+
+    `send` returns at once; `close` waits until everything queued is sent and ends the thread.
+    The first send error is raised by the next `send` or `close` (never lost in the thread).
+    """
+
+    def __init__(self, dst: int, group: dist.ProcessGroup, name: str) -> None:
+        self.dst, self.group = dst, group
+        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"outbox-{name}")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                send(msg, self.dst, self.group)
+            except Exception as e:  # noqa: BLE001 - raised by the owner's next send / close
+                self.error = PeerError(f"sending to rank {self.dst} failed: {type(e).__name__}: {e}")
+                self.error.__cause__ = e
+                return
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def send(self, msg: Message) -> None:
+        self._raise()
+        self.queue.put(msg)
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread; raises a send error."""
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()

@@ -83,6 +83,9 @@ class InferenceRank:
         # before the first sync: never block the controller
         self.inbox.listen(self.controller, layout.down[layout.rank], "controller")
         self.up = layout.up[layout.rank]
+        # Completions (and every other message to the controller) leave from a thread: the engine
+        # steps on while the controller takes them (runtime/transport.py, Outbox).
+        self.outbox = transport.Outbox(self.controller, self.up, "controller")
         self.beat = Heartbeat(cfg.log.heartbeat_s, f"receiving the initial weights (v{start_version})")
         self.start_version = start_version
         self.generated = 0
@@ -108,13 +111,13 @@ class InferenceRank:
                 done = engine.step() if self.prefill is None else self._prefill_step()
                 if done and reports:
                     self.generated += sum(len(c.token_ids) for c in done)
-                    transport.send(protocol.completions(done), self.controller, self.up)
+                    self.outbox.send(protocol.completions(done))
 
     def _prefill_step(self):
         """A prefill replica's step: the sequences it prefilled go to the controller as handoffs."""
         done, handoffs = self.prefill.step()
         for msg in handoffs:
-            transport.send(msg, self.controller, self.up)
+            self.outbox.send(msg)
         return done
 
     def _apply(self, msg: Message) -> None:
@@ -146,7 +149,7 @@ class InferenceRank:
         elif msg.kind == Kind.SLEEP:
             freed = engine.sleep()
             log.info("asleep while the trainer steps: %.2f GiB freed", freed / 2**30)
-            transport.send(protocol.asleep(freed), self.controller, self.up)
+            self.outbox.send(protocol.asleep(freed))
         else:
             raise RuntimeError(f"inference rank got an unexpected message {msg.kind!r}")
 
@@ -188,7 +191,8 @@ class InferenceRank:
         if self.layout.device.type == "cuda":
             log.info("peak GPU memory of this engine process: %.2f GiB",
                      torch.cuda.max_memory_allocated(self.layout.device) / 2**30)
-        transport.send(protocol.done(), self.controller, self.up)
+        self.outbox.send(protocol.done())
+        self.outbox.close()
 
 
 def _wake(engine: InferenceEngine) -> None:

@@ -38,3 +38,25 @@ def _exchange(rank, world_size):
 
 def test_ragged_tensordicts_cross_ranks():
     run_ranks(_exchange, 2)
+
+
+def _outbox(rank, world_size):
+    g = dist.new_group([0, 1], backend="gloo")
+    if rank == 0:
+        outbox = transport.Outbox(1, g, "rank1")
+        for n in range(1, 30):  # queued faster than rank 1 takes them: they leave in order
+            outbox.send(transport.Message("batch", {"n": n}, _ragged(n % 5 + 1)))
+        outbox.send(transport.Message("stop"))
+        outbox.close()
+    else:
+        inbox = transport.Inbox()
+        inbox.listen(0, g, "rank0")
+        got = []
+        while (msg := inbox.get(timeout=30)).kind != "stop":
+            got.append(msg.meta["n"])
+            assert msg.data["lens"].tolist() == list(range(1, msg.meta["n"] % 5 + 2))
+        assert got == list(range(1, 30))
+
+
+def test_outbox_sends_in_order_from_its_thread():
+    run_ranks(_outbox, 2)

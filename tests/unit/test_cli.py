@@ -123,6 +123,7 @@ def test_a_cpu_job_with_more_ranks_than_cores_is_refused(tmp_path, monkeypatch, 
     from meshrl.runtime.launch import OVERSUBSCRIBE_ENV, cpu_cores, threads_per_rank
 
     monkeypatch.delenv(OVERSUBSCRIBE_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = cpu_cores()
     argv = ["rl", "--model.flavor", "debug", "--model.tokenizer", "char", "--dist.device", "cpu",
             "--layout.num-trainer-ranks", str(cores), "--output-dir", str(tmp_path / "run")]
@@ -143,6 +144,14 @@ def test_a_cpu_job_with_more_ranks_than_cores_is_refused(tmp_path, monkeypatch, 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg, _ = load_config(RLConfig, argv[1:5])
     assert threads_per_rank(cfg) == cores  # one rank of the job on this node
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    on_policy = ["--model.flavor", "debug", "--model.tokenizer", "char", "--max-off-policy-steps", "0"]
+    cfg, _ = load_config(RLConfig, on_policy)  # one trainer, one engine, taking turns
+    assert threads_per_rank(cfg) == cores
+    cfg, _ = load_config(RLConfig, [*on_policy, "--eval.every", "5"])  # evaluations overlap training
+    assert threads_per_rank(cfg) == max(1, cores // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert threads_per_rank(cfg) == 1  # the environment's choice
 
 
 def test_sft_on_an_environment_without_reference_completions_is_refused_before_launch(tmp_path, capsys):
