@@ -26,7 +26,8 @@ k/v into their slots (block * block_size + offset) and attends over each row's b
 
 - "torch" backend (CPU and GPU): gather the rows' blocks into a contiguous (B, Hkv, L, D)
   tensor by block table, then one SDPA call with a boolean mask (key position <= query
-  position). GQA is folded into the query length (the g query heads of a kv head become g x T
+  position). A CPU decode instead reads a dense copy of the rows' k/v that it keeps beside the
+  blocks (`dense`, runtime/engine/dense_decode.py): no gather per layer and step. GQA is folded into the query length (the g query heads of a kv head become g x T
   query rows), so k/v are never repeated. Exact, simple, and fixed-shape when L is bucketed,
   but it moves every gathered key twice.
 - "triton" backend (CUDA decode only, T == 1): runtime/engine/kernels.py's `paged_decode_attention`

@@ -11,7 +11,8 @@ The engine is three parts, wired here:
                                   the order of one step (the one-step lookahead)
 
 with runtime/engine/sequence.py (one sample's state), kv_cache.py (blocks, prefix cache, paged
-attention), sampling.py and kernels.py below them.
+attention), dense_decode.py (CPU decode attention over a dense copy of the rows' k/v),
+sampling.py and kernels.py below them.
 
 One scheduler iteration (`NativeEngine.step`):
 
