@@ -568,9 +568,8 @@ class DistConfig(Base):
     test suites)."""
     threads_per_rank: int | None = Field(None, ge=1)
     """torch threads of each rank (torch.set_num_threads, OMP_NUM_THREADS); unset: OMP_NUM_THREADS when the
-    environment sets it, else this node's CPU cores divided by the ranks that compute at once, at least 1:
-    its trainer and inference ranks, or in on-policy RL (max_off_policy_steps = 0, no online evaluation),
-    where the two roles take turns, the larger of the two (runtime/launch.py, concurrent_ranks)."""
+    environment sets it, else this node's CPU cores divided by its trainer and inference ranks, at least 1,
+    so the ranks share the cores."""
 
 
 class LogConfig(Base):

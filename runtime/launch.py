@@ -155,27 +155,18 @@ def check_cpu_cores(cfg: Base) -> None:
 def threads_per_rank(cfg: Base) -> int:
     """torch threads of one rank: dist.threads_per_rank; else OMP_NUM_THREADS when the environment
     sets it (`launch` sets it to this default when it is unset); else the node's cores shared by
-    the ranks that compute at once (`concurrent_ranks`)."""
+    its trainer and inference ranks.
+
+    On-policy RL alternates the two roles, so the active one could take the idle one's cores; that
+    default was measured and dropped: on the shared 2-core machine (other jobs running) two threads
+    per rank made a reverse-text RL step ~5x slower than one (docs/benchmarks.md, 2026-12-01 late).
+    """
     if cfg.dist.threads_per_rank is not None:
         return cfg.dist.threads_per_rank
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, cpu_cores() // concurrent_ranks(cfg))
-
-
-def concurrent_ranks(cfg: Base) -> int:
-    """This node's compute ranks that run at the same time. On-policy RL (max_off_policy_steps = 0,
-    no online evaluation) alternates: the engines generate while the trainer waits for their
-    rollouts, then the trainer steps while the engines wait for its weights, so the active role
-    can use the idle one's cores: the larger of the two roles counts. Otherwise every trainer and
-    inference rank of the node."""
-    local = local_compute_ranks(cfg)
-    layout = getattr(cfg, "layout", None)
-    evals = getattr(getattr(cfg, "eval", None), "every", 0)
-    if layout is None or getattr(cfg, "max_off_policy_steps", None) != 0 or evals:
-        return local
-    return max(1, min(local, max(layout.num_trainer_ranks, layout.num_inference_ranks)))
+    return max(1, cpu_cores() // local_compute_ranks(cfg))
 
 
 FAILURE_RECORD = "torchrun-failure.json"

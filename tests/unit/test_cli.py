@@ -145,13 +145,12 @@ def test_a_cpu_job_with_more_ranks_than_cores_is_refused(tmp_path, monkeypatch, 
     cfg, _ = load_config(RLConfig, argv[1:5])
     assert threads_per_rank(cfg) == cores  # one rank of the job on this node
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    on_policy = ["--model.flavor", "debug", "--model.tokenizer", "char", "--max-off-policy-steps", "0"]
-    cfg, _ = load_config(RLConfig, on_policy)  # one trainer, one engine, taking turns
-    assert threads_per_rank(cfg) == cores
-    cfg, _ = load_config(RLConfig, [*on_policy, "--eval.every", "5"])  # evaluations overlap training
-    assert threads_per_rank(cfg) == max(1, cores // 2)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert threads_per_rank(cfg) == 1  # the environment's choice
+    cfg, _ = load_config(RLConfig, ["--model.flavor", "debug", "--model.tokenizer", "char"])
+    assert threads_per_rank(cfg) == max(1, cores // 2)  # one trainer, one engine
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(cfg) == 3  # the environment's choice
+    cfg, _ = load_config(RLConfig, ["--model.flavor", "debug", "--model.tokenizer", "char", "--dist.threads-per-rank", "2"])
+    assert threads_per_rank(cfg) == 2  # the config's beats it
 
 
 def test_sft_on_an_environment_without_reference_completions_is_refused_before_launch(tmp_path, capsys):
