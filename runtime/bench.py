@@ -71,7 +71,7 @@ def bench_rl(argv: list[str]) -> None:
         cfg = base.model_copy(update={"max_off_policy_steps": steps, "output_dir": str(root / mode)})
         cfg.log.console = False
         start = time.perf_counter()
-        code = launching.launch(cfg, rl.MODULE)
+        code = launching.launch(cfg, rl.MODULE, rl.PRELOAD)
         if code != 0:
             sys.exit(code)
         rows = [json.loads(line) for line in (root / mode / "metrics.jsonl").read_text().splitlines()]

@@ -38,6 +38,7 @@ resumes from the latest complete checkpoint (runtime/checkpoint.py, docs/checkpo
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from typing import Any
 from meshrl.runtime.config import Base, ConfigError, load_config
 from meshrl.runtime.liveness import start_liveness
 from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, check_run_dir_fresh, clear_run_dir, lock_run_dir, log, mark_run_dir, restart_count,
-                                   run_dir_contents, unlock_run_dir, write_config, write_error)
+                                   release_locks, run_dir_contents, unlock_run_dir, write_config, write_error)
 from meshrl.runtime.summary import print_summary
 
 EXIT_CONFIG = 2
@@ -173,11 +175,12 @@ FAILURE_RECORD = "torchrun-failure.json"
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> int:
+def launch(cfg: Base, module: str, preload: tuple[str, ...] = ()) -> int:
     """Run `module` under torchrun on one node; returns the exit code (130 after Ctrl-C).
 
     Takes RUN_DIR's lock first (exit 2 with one line naming the holder if another job has it), then
-    writes RUN_DIR/config.json and starts the agent in a session of its own."""
+    writes RUN_DIR/config.json and starts the agent in a session of its own. When the ranks are forked
+    (rank_start), `preload` (the modules most of the ranks import) is imported here first, once."""
     run_dir = Path(cfg.output_dir)
     started = time.time()
     try:
@@ -191,15 +194,20 @@ def launch(cfg: Base, module: str, extra_torchrun: list[str] | None = None) -> i
         stale.unlink(missing_ok=True)
     restarts = run_dir / "restarts.jsonl"
     before = len(restarts.read_text().splitlines()) if restarts.is_file() else 0
-    cmd = [sys.executable, "-m", "meshrl.runtime.launch", "--agent", str(logs / FAILURE_RECORD), "--standalone",
-           f"--nproc-per-node={cfg.world_size}", f"--max-restarts={cfg.dist.max_restarts}", *(extra_torchrun or []),
-           "-m", module, "@", str(config_path)]
+    start = rank_start(cfg)
+    # torchrun's arguments; --standalone spelled out (one agent, a fresh rendezvous on a free port)
+    argv = [str(logs / FAILURE_RECORD), start, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id={uuid.uuid4()}", f"--nproc-per-node={cfg.world_size}",
+            f"--max-restarts={cfg.dist.max_restarts}", "-m", module, "@", str(config_path)]
     env = dict(os.environ)
     if cfg.dist.threads_per_rank is not None or "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(threads_per_rank(cfg))
     env[LOCK_ENV] = f"host {socket.gethostname()} pid {os.getpid()}"
+    if start == "fork":
+        for name in preload:  # the ranks inherit them: one import here instead of one per rank
+            importlib.import_module(name)
     try:
-        code, stopped_by = run_forwarding_signals(cmd, env)
+        code, stopped_by = run_forwarding_signals(argv, env)
     finally:
         unlock_run_dir(run_dir)
     rows = restarts.read_text().splitlines()[before:] if restarts.is_file() else []
@@ -237,24 +245,82 @@ def prepare_run_dir(cfg: Base, kind: str) -> None:
     mark_run_dir(run_dir, kind)
 
 
-def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> tuple[int, signal.Signals | None]:
-    """Run the agent and wait for it, forwarding SIGINT and SIGTERM to it; a second one kills it.
-    Returns (its exit code, the first signal forwarded or None)."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+RANK_START_ENV = "MESHRL_RANK_START"
+
+
+def rank_start(cfg: Base) -> str:
+    """How the agent starts the ranks of a job on this node: "fork" (a CPU job on Linux) forks them from
+    the agent, which the launcher forked after importing torch and the rank program, so a rank starts
+    in milliseconds instead of importing torch and meshrl again (seconds each, on a few cores);
+    "exec" (GPU jobs: a process that touched CUDA cannot fork a CUDA rank; other systems) runs
+    `python -m MODULE` for each, as plain torchrun does. MESHRL_RANK_START=exec|fork overrides it."""
+    forced = os.environ.get(RANK_START_ENV)
+    if forced is not None:
+        if forced not in ("exec", "fork"):
+            raise ValueError(f"{RANK_START_ENV}={forced!r}: use exec or fork")
+        return forced
+    from meshrl.runtime.layout import use_cuda
+
+    return "fork" if sys.platform.startswith("linux") and not use_cuda(cfg.dist.device) else "exec"
+
+
+def run_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, signal.Signals | None]:
+    """Start the agent (agent_main(argv)) in a session of its own and wait for it, forwarding SIGINT and
+    SIGTERM to it; a second one kills it. Returns (its exit code, negative for a signal as
+    subprocess reports it; the first signal forwarded or None).
+
+    On Linux the agent is this process, forked (torch is imported already: no second Python start);
+    elsewhere `python -m meshrl.runtime.launch --agent ARGV`."""
+    if sys.platform.startswith("linux"):
+        pid = fork_agent(argv, env)
+        send = lambda sig: os.kill(pid, sig)  # noqa: E731
+        wait = lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # noqa: E731
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "meshrl.runtime.launch", "--agent", *argv], env=env,
+                                start_new_session=True)
+        send, wait = proc.send_signal, proc.wait
     got: list[signal.Signals] = []
 
     def forward(signum, frame):
         got.append(signal.Signals(signum))
-        proc.send_signal(signal.SIGKILL if len(got) > 1 else signum)  # the agent stops its ranks
+        try:
+            send(signal.SIGKILL if len(got) > 1 else signum)  # the agent stops its ranks
+        except ProcessLookupError:
+            pass  # it has just ended
 
     main = threading.current_thread() is threading.main_thread()  # only it may set handlers
     previous = {sig: signal.signal(sig, forward) for sig in EXIT_SIGNAL} if main else {}
     try:
-        code = proc.wait()
+        code = wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code, (got[0] if got else None)
+
+
+def fork_agent(argv: list[str], env: dict[str, str]) -> int:
+    """Fork the agent: a session of its own, `env` as its environment, agent_main(argv); returns its pid.
+    The child never returns into the caller's code: it ends with os._exit (no interpreter teardown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        release_locks()  # the launcher holds RUN_DIR's lock; the agent and ranks must not keep it alive
+        os.environ.clear()
+        os.environ.update(env)
+        code = agent_main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the agent ends here, loudly
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def stop_line(run_dir: Path, cfg: Base, module: str, sig: signal.Signals) -> str:
@@ -335,21 +401,28 @@ def _failure_reason(error: dict[str, Any] | None, exitcode: int | None) -> str:
 # ----------------------------------------------------------------------------- the agent
 
 
-def agent_main(argv: list[str]) -> None:
-    """`python -m meshrl.runtime.launch --agent RECORD TORCHRUN_ARGS...`: torchrun's agent, which
-    dies with the launcher, writes torchrun's record of a failure to RECORD (rank, pid, exit code,
-    time of every rank that had failed when torchrun first saw one) and prints torchrun's summary
-    without a Python traceback; stopped by a signal, it exits 128 + the signal quietly."""
+def agent_main(argv: list[str]) -> int:
+    """The agent: `RECORD START TORCHRUN_ARGS...` (START: exec or fork, rank_start). torchrun's agent,
+    which dies with the launcher, writes torchrun's record of a failure to RECORD (rank, pid, exit
+    code, time of every rank that had failed when torchrun first saw one) and prints torchrun's
+    summary without a Python traceback; stopped by a signal, it exits 128 + the signal quietly.
+    Returns the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
     die_with_parent(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(_quiet_shutdown)
-    record = Path(argv[0])
+    record, start = Path(argv[0]), argv[1]
+    args = parse_args(argv[2:])
+    config, entrypoint, entry_args = config_from_args(args)
+    if start == "fork":
+        config.start_method = "fork"
+        entrypoint, entry_args = forked_rank, [args.training_script, *args.training_script_args]
     try:
-        run(parse_args(argv[1:]))
+        elastic_launch(config, entrypoint)(*entry_args)
     except ChildFailedError as e:
         root, _ = e.get_first_failure()
         failures = [{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
@@ -357,9 +430,21 @@ def agent_main(argv: list[str]) -> None:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"root": root, "failures": failures}, indent=1))
         print(e.format_msg(), file=sys.stderr, flush=True)
-        sys.exit(1)
+        return 1
     except SignalException as e:
-        sys.exit(128 + int(e.sigval))
+        return 128 + int(e.sigval)
+    return 0
+
+
+def forked_rank(module: str, *argv: str) -> None:
+    """A rank forked from the agent: `python -u -m MODULE ARGV` without a new interpreter. The agent's
+    signal handlers (torchrun's, which raise in Python) give way to the defaults a fresh rank has."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [module, *argv]
+    importlib.import_module(module).main(list(argv))
 
 
 def _quiet_shutdown(record: logging.LogRecord) -> bool:
@@ -473,4 +558,4 @@ def guarded(run_dir: Path, rank: int, role: str, fn: Callable[[], None]) -> None
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--agent"]:
-    agent_main(sys.argv[2:])
+    sys.exit(agent_main(sys.argv[2:]))

@@ -31,6 +31,10 @@ from meshrl.runtime.rundir import log, setup_logging
 # imported in run_role: the launcher's pre-flight checks need none of them.
 
 MODULE = "meshrl.runtime.rl"
+# what the ranks import beyond the launcher (tokenizer, tensordict, the roles' loops): imported by the
+# launcher once when it forks the ranks (launch.rank_start), not by each rank
+PRELOAD = ("transformers.tokenization_utils_tokenizers", "meshrl.runtime.rollout.controller",
+           "meshrl.runtime.train.loop", "meshrl.runtime.engine.loop")
 
 
 def preflight(cfg: RLConfig) -> None:
@@ -77,7 +81,7 @@ def launch(cfg: RLConfig) -> int:
     Raises ValueError for a config that cannot run here (missing model folder, too few GPUs).
     """
     preflight(cfg)
-    return launching.launch(cfg, MODULE)
+    return launching.launch(cfg, MODULE, PRELOAD)
 
 
 def main(argv: list[str] | None = None) -> None:

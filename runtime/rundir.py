@@ -90,6 +90,14 @@ def unlock_run_dir(run_dir: Path) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
+def release_locks() -> None:
+    """In a child forked from a lock holder: close its copies of the lock descriptors. The parent keeps
+    the locks; a forked child that kept a copy would hold the flock alive after the parent gave it back."""
+    for fd in _held_locks.values():
+        os.close(fd)
+    _held_locks.clear()
+
+
 def check_run_dir_free(run_dir: Path) -> None:
     """ValueError naming the holder if another job holds RUN_DIR's lock (this process may hold it)."""
     path = run_dir / LOCK_FILE

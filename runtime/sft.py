@@ -25,6 +25,8 @@ from meshrl.runtime.rundir import setup_logging
 from meshrl.runtime.train.sft_data import check_data
 
 MODULE = "meshrl.runtime.sft"
+# imported by the launcher once when it forks the ranks (launch.rank_start), not by each rank
+PRELOAD = ("transformers.tokenization_utils_tokenizers", "meshrl.runtime.train.sft")
 
 
 def check_sft_env(env) -> None:
@@ -56,7 +58,7 @@ def preflight(cfg: SFTConfig) -> None:
 def launch(cfg: SFTConfig) -> int:
     """Run `cfg` as a torchrun job on this node; returns the exit code. Raises ValueError early."""
     preflight(cfg)
-    return launching.launch(cfg, MODULE)
+    return launching.launch(cfg, MODULE, PRELOAD)
 
 
 def main(argv: list[str] | None = None) -> None:
