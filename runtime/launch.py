@@ -4,8 +4,11 @@ Two ways in, one code path:
 
 - `meshrl rl @ cfg.toml` (or `meshrl.runtime.rl.launch(cfg)` from Python) validates the
   config, takes the run directory's lock, writes RUN_DIR/config.json and starts torchrun's agent
-  (`python -m meshrl.runtime.launch --agent ...`: torchrun's own `run`, plus the record below)
-  with the rank module on that file;
+  (agent_main: torchrun's elastic launch, plus the record below) with the rank module on that
+  file. On Linux the agent is the launcher forked, so torch is not imported a second time; a CPU
+  job's ranks are forked from the agent too, after the launcher imported what they all import
+  (the rank module's PRELOAD), and run the rank module's `main` as `python -m` would (rank_start;
+  GPU jobs exec `python -m MODULE` per rank, as torchrun does, since CUDA does not survive a fork);
 - `torchrun --nproc-per-node N -m meshrl.runtime.rl @ cfg.toml` runs the rank module
   directly (multi-node, Slurm). Every rank validates the config and the world size before
   `init_process_group`, so a mistake costs no rendezvous; rank 0 takes the lock.
@@ -15,7 +18,7 @@ Process tree and signals (no orphans):
     meshrl (launcher)   holds RUN_DIR/job.lock; forwards SIGINT/SIGTERM to the agent and waits;
       |                 a second Ctrl-C kills the agent. Exit 130 (SIGINT) / 143 (SIGTERM) with
       |                 one line: where the run stopped and how to resume it.
-      +- agent          torchrun, in a session of its own (the terminal's Ctrl-C reaches the
+      +- agent          torchrun's agent, in a session of its own (the terminal's Ctrl-C reaches the
            |            launcher only); dies with the launcher (parent-death signal SIGTERM, which
            |            makes torchrun stop its workers); on a failure writes torchrun's record of
            |            the failed ranks (logs/torchrun-failure.json)
@@ -441,8 +444,9 @@ def forked_rank(module: str, *argv: str) -> None:
     signal handlers (torchrun's, which raise in Python) give way to the defaults a fresh rank has."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
+    for stream in (sys.stdout, sys.stderr):  # unbuffered, as torchrun's `python -u`
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [module, *argv]
     importlib.import_module(module).main(list(argv))
 

@@ -60,8 +60,9 @@ def command(*args) -> list[str]:
     return [sys.executable, "-m", "meshrl.runtime.cli", *args]
 
 
-def meshrl(*args, check=True, timeout=300) -> subprocess.CompletedProcess:
-    r = subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def meshrl(*args, check=True, timeout=300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=None if env is None else {**os.environ, **env})
     if check and r.returncode != 0:
         raise AssertionError(f"meshrl {' '.join(args)} exited {r.returncode}\n{r.stderr[-5000:]}")
     return r
@@ -83,7 +84,9 @@ def test_a_killed_rank_restarts_by_itself_and_finishes_like_an_uninterrupted_run
     num_steps = 24
     common = ("rl", "@", config, "--max-steps", str(num_steps), "--checkpoint.every", "4")
     reference = tmp_path / "reference"
-    meshrl(*common, "--output-dir", str(reference))
+    # the reference's ranks are exec'd (`python -m meshrl.runtime.rl`, as on GPUs and under plain torchrun),
+    # the killed run's forked from the agent (the CPU default): both must give the same run
+    meshrl(*common, "--output-dir", str(reference), env={"MESHRL_RANK_START": "exec"})
 
     run = tmp_path / "killed"
     start = time.perf_counter()

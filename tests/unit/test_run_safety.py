@@ -184,3 +184,40 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_forked_agent_does_not_keep_the_run_dirs_lock(tmp_path):
+    """The launcher forks the agent while it holds RUN_DIR's lock: once the launcher gives the lock back,
+    the directory is free even while the agent (or a rank forked from it) still runs."""
+    import os
+
+    from meshrl.runtime.rundir import release_locks
+
+    lock_run_dir(tmp_path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the agent: lets go of its copy of the descriptor, then lives on for a while
+        release_locks()
+        os.write(write, b"x")
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert os.read(read, 1) == b"x"
+        unlock_run_dir(tmp_path)
+        check_run_dir_free(tmp_path)  # would raise if the child still held the flock
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_cpu_jobs_fork_their_ranks_unless_told_otherwise(monkeypatch):
+    from meshrl.runtime.config import RLConfig
+
+    cfg = RLConfig(model={"flavor": "debug", "tokenizer": "char"}, dist={"device": "cpu"})
+    monkeypatch.delenv(launch.RANK_START_ENV, raising=False)
+    assert launch.rank_start(cfg) == ("fork" if sys.platform.startswith("linux") else "exec")
+    monkeypatch.setenv(launch.RANK_START_ENV, "exec")
+    assert launch.rank_start(cfg) == "exec"
+    monkeypatch.setenv(launch.RANK_START_ENV, "spawn")
+    with pytest.raises(ValueError, match="MESHRL_RANK_START='spawn': use exec or fork"):
+        launch.rank_start(cfg)
