@@ -357,6 +357,7 @@ def report_failure(run_dir: Path, code: int) -> None:
     # torchrun lists the ranks that had failed when it first saw a failure, then those it stopped
     # itself (SIGTERM), all with times in whole seconds: within a second, a rank killed by a signal
     # (it did not fail because of a peer) comes first, then ranks by the time of their error files.
+    # (Forked ranks: the agent's RankExits times every rank's end to 20 ms.)
     stopped = -int(signal.SIGTERM)
     order = sorted(record["failures"], key=lambda f: (f["exitcode"] == stopped, f["timestamp"], f["exitcode"] >= 0,
                                                       errors.get(f["rank"], {}).get("time", float("inf")), f["rank"]))
@@ -421,17 +422,23 @@ def agent_main(argv: list[str]) -> int:
     record, start = Path(argv[0]), argv[1]
     args = parse_args(argv[2:])
     config, entrypoint, entry_args = config_from_args(args)
+    exits = None
     if start == "fork":
+        global RANK_EXITS
         config.start_method = "fork"
         entrypoint, entry_args = forked_rank, [args.training_script, *args.training_script_args]
+        exits = RANK_EXITS = RankExits()
     try:
         elastic_launch(config, entrypoint)(*entry_args)
     except ChildFailedError as e:
         root, _ = e.get_first_failure()
-        failures = [{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
-                     "timestamp": f.timestamp, "message": f.message} for rank, f in sorted(e.failures.items())]
+        failures = {rank: {"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+                           "timestamp": f.timestamp, "message": f.message} for rank, f in e.failures.items()}
+        if exits is not None:  # torchrun saw one forked rank fail; these are all of them, timed to 20 ms
+            failures.update(exits.failures())
+            root = min(failures.values(), key=lambda f: f["timestamp"])["rank"]
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"root": root, "failures": failures}, indent=1))
+        record.write_text(json.dumps({"root": root, "failures": [failures[r] for r in sorted(failures)]}, indent=1))
         print(e.format_msg(), file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
@@ -439,11 +446,67 @@ def agent_main(argv: list[str]) -> int:
     return 0
 
 
+class RankExits:
+    """The agent's record of how its forked ranks ended. torchrun's record of forked (multiprocessing)
+    workers holds only the first failure it finds at a poll, the lowest local rank among those already
+    dead, not the rank that failed first. Each forked rank announces (pid, attempt, rank) on a pipe; a
+    thread of the agent looks at every announced rank every 20 ms without reaping it (waitid WNOWAIT,
+    so torchrun still collects it) and notes its exit code and when it was first seen dead."""
+
+    def __init__(self):
+        self.read, self.write = os.pipe()
+        self.ranks: dict[int, tuple[int, int, int]] = {}  # pid -> (attempt, rank, local rank)
+        self.exits: dict[int, tuple[int, float]] = {}  # pid -> (exit code, negative for a signal; time)
+        threading.Thread(target=self._watch, name="rank-exits", daemon=True).start()
+
+    def announce(self) -> None:
+        """In a forked rank, at its start."""
+        env = os.environ
+        os.write(self.write, f"{os.getpid()} {env.get('TORCHELASTIC_RESTART_COUNT', '0')} {env['RANK']} "
+                             f"{env['LOCAL_RANK']}\n".encode())
+
+    def failures(self) -> dict[int, dict[str, Any]]:
+        """rank -> failure (torchrun's record format) of the last attempt's ranks that ended non-zero."""
+        time.sleep(0.05)  # the ranks torchrun stopped have ended: let the watch see them
+        last = max((a for a, _, _ in self.ranks.values()), default=0)
+        return {rank: {"rank": rank, "local_rank": local, "pid": pid, "exitcode": self.exits[pid][0],
+                       "timestamp": self.exits[pid][1], "message": ""}
+                for pid, (attempt, rank, local) in list(self.ranks.items())
+                if attempt == last and pid in self.exits and self.exits[pid][0] != 0}
+
+    def _watch(self) -> None:
+        os.set_blocking(self.read, False)
+        pending = b""
+        while True:
+            try:
+                pending += os.read(self.read, 4096)
+            except BlockingIOError:
+                pass
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                pid, attempt, rank, local = map(int, line.split())
+                self.ranks[pid] = (attempt, rank, local)
+            for pid in self.ranks.keys() - self.exits.keys():
+                try:
+                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # torchrun reaped it first: its own record has it
+                    continue
+                if info is not None:
+                    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                    self.exits[pid] = (code, time.time())
+            time.sleep(0.02)
+
+
+RANK_EXITS: RankExits | None = None  # the agent's, inherited by the ranks it forks
+
+
 def forked_rank(module: str, *argv: str) -> None:
     """A rank forked from the agent: `python -u -m MODULE ARGV` without a new interpreter. The agent's
     signal handlers (torchrun's, which raise in Python) give way to the defaults a fresh rank has."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    if RANK_EXITS is not None:
+        RANK_EXITS.announce()
     for stream in (sys.stdout, sys.stderr):  # unbuffered, as torchrun's `python -u`
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True, write_through=True)
