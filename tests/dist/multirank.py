@@ -13,6 +13,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -31,6 +32,7 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "tenso
 def _entry(rank: int, world_size: int, port: int, fn, args, errq, backend: str, devices) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # several ranks share a few cores (tests/conftest.py says why)
     try:
         if "nccl" in backend:
             import torch

@@ -31,7 +31,6 @@ SHAPES = [("glm4_moe", "air-like-3L", "air-106B-A12B", {"n_layers", "num_mtp_lay
                                              "hidden_dim", "tie_embeddings", "layer_types"})]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _json_lines(text: str) -> list[dict]:

@@ -16,7 +16,6 @@ from tests.unit.test_vllm_engine import FakeLLMEngine, fake_vllm  # noqa: F401 (
 SIZES = ["--scale", "0.01", "--batch-scale", "0.04"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _rows(capsys) -> list[dict]:
