@@ -35,8 +35,6 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errq, backend: str, 
     torch.set_num_threads(1)  # several ranks share a few cores (tests/conftest.py says why)
     try:
         if "nccl" in backend:
-            import torch
-
             torch.cuda.set_device(rank if devices is None else devices[rank])
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
