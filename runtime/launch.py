@@ -456,7 +456,7 @@ class RankExits:
     def __init__(self):
         self.read, self.write = os.pipe()
         self.ranks: dict[int, tuple[int, int, int]] = {}  # pid -> (attempt, rank, local rank)
-        self.exits: dict[int, tuple[int, float]] = {}  # pid -> (exit code, negative for a signal; time)
+        self.exits: dict[int, tuple[int | None, float]] = {}  # pid -> (exit code, negative for a signal; time)
         threading.Thread(target=self._watch, name="rank-exits", daemon=True).start()
 
     def announce(self) -> None:
@@ -472,7 +472,7 @@ class RankExits:
         return {rank: {"rank": rank, "local_rank": local, "pid": pid, "exitcode": self.exits[pid][0],
                        "timestamp": self.exits[pid][1], "message": ""}
                 for pid, (attempt, rank, local) in list(self.ranks.items())
-                if attempt == last and pid in self.exits and self.exits[pid][0] != 0}
+                if attempt == last and pid in self.exits and self.exits[pid][0] not in (0, None)}
 
     def _watch(self) -> None:
         os.set_blocking(self.read, False)
@@ -489,7 +489,8 @@ class RankExits:
             for pid in self.ranks.keys() - self.exits.keys():
                 try:
                     info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:  # torchrun reaped it first: its own record has it
+                except ChildProcessError:  # torchrun reaped it first (its record may have it): no longer watched
+                    self.exits[pid] = (None, time.time())
                     continue
                 if info is not None:
                     code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
