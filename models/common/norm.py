@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         if use_fused(x) and self.weight.dtype == x.dtype and not self.weight_in_fp32:
             return fused.rms_norm(x, self.weight, self.eps)  # one kernel, same numerics (inference only)
         if x.dtype == torch.float32 and self.weight.dtype == x.dtype and not x.is_cuda \
-                and torch.is_inference_mode_enabled():
+                and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
             # torch's own op: bit-identical to the lines below in fp32 on CPU (not in bf16, whose
             # cast order differs) and one dispatch instead of eight (the CPU engine's decode steps)
             return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
