@@ -436,6 +436,12 @@ def agent_main(argv: list[str]) -> int:
                            "timestamp": f.timestamp, "message": f.message} for rank, f in e.failures.items()}
         if exits is not None:  # torchrun saw one forked rank fail; these are all of them, timed to 20 ms
             failures.update(exits.failures())
+            for rank, f in failures.items():  # a rank's error file says to the millisecond when it failed (the
+                error = record.parent / f"error-rank{rank}.txt"  # watch sees an end up to 20 ms late)
+                if error.is_file():
+                    f["timestamp"] = error.stat().st_mtime
+                elif isinstance(f["timestamp"], int):  # reaped by torchrun before the watch saw it
+                    f["timestamp"] = time.time()
             root = min(failures.values(), key=lambda f: f["timestamp"])["rank"]
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"root": root, "failures": [failures[r] for r in sorted(failures)]}, indent=1))
