@@ -5,10 +5,10 @@ Two ways in, one code path:
 - `meshrl rl @ cfg.toml` (or `meshrl.runtime.rl.launch(cfg)` from Python) validates the
   config, takes the run directory's lock, writes RUN_DIR/config.json and starts torchrun's agent
   (agent_main: torchrun's elastic launch, plus the record below) with the rank module on that
-  file. On Linux the agent is the launcher forked, so torch is not imported a second time; a CPU
-  job's ranks are forked from the agent too, after the launcher imported what they all import
-  (the rank module's PRELOAD), and run the rank module's `main` as `python -m` would (rank_start;
-  GPU jobs exec `python -m MODULE` per rank, as torchrun does, since CUDA does not survive a fork);
+  file. On Linux the agent is the launcher forked, so torch is not imported a second time; the
+  ranks are `python -m MODULE` processes, as torchrun's (rank_start). With MESHRL_RANK_START=fork
+  (CPU jobs) they are forked from the agent instead, after the launcher imported what they all
+  import (the rank module's PRELOAD), and run the rank module's `main` as `python -m` would;
 - `torchrun --nproc-per-node N -m meshrl.runtime.rl @ cfg.toml` runs the rank module
   directly (multi-node, Slurm). Every rank validates the config and the world size before
   `init_process_group`, so a mistake costs no rendezvous; rank 0 takes the lock.
@@ -252,11 +252,11 @@ RANK_START_ENV = "MESHRL_RANK_START"
 
 
 def rank_start(cfg: Base) -> str:
-    """How the agent starts the ranks of a job on this node: "fork" (a CPU job on Linux) forks them from
-    the agent, which the launcher forked after importing torch and the rank program, so a rank starts
-    in milliseconds instead of importing torch and meshrl again (seconds each, on a few cores);
-    "exec" (GPU jobs: a process that touched CUDA cannot fork a CUDA rank; other systems) runs
-    `python -m MODULE` for each, as plain torchrun does. MESHRL_RANK_START=exec|fork overrides it."""
+    """How the agent starts the ranks of a job on this node: "exec" (the default) runs `python -m MODULE`
+    for each, as plain torchrun does; "fork" (MESHRL_RANK_START=fork, CPU jobs on Linux only: a
+    process that touched CUDA cannot fork a CUDA rank) forks them from the agent, which the launcher
+    forked after importing torch and the rank program, so a rank starts in milliseconds instead of
+    importing torch and meshrl again (seconds each, on a few cores)."""
     forced = os.environ.get(RANK_START_ENV)
     if forced is not None:
         if forced not in ("exec", "fork"):
