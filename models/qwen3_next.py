@@ -400,6 +400,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(value, args.dim, bias=False)
 
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One sequence's (conv state (C, K-1), delta-rule state (Hv, Dk, Dv)): what the engine keeps
+        per row for this layer (models/common/probe.py counts them without a forward)."""
+        return (self.conv_dim, self.conv1d.weight.shape[-1] - 1), (self.v_heads, self.k_dim, self.v_dim)
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> qkv (B, T, C) as [q heads, k heads, v heads], z (B, T, Hv, Dv), b and a (B, T, Hv)."""
         B, T, _ = x.shape

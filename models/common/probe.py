@@ -9,8 +9,8 @@ attn)` (models/common/attention.py): every layer reports itself, and the probe r
   (Hv, Dk, Dv) per sequence.
 
 The native engine sizes its paged KV cache and its recurrent-state slots from these
-(runtime/engine/native.py); the colocated memory plan counts the state slots
-(runtime/memory.py). On the meta device the forward computes nothing.
+(runtime/engine/native.py). The colocated memory plan (runtime/memory.py) counts the state slots
+with `recurrent_state_bytes`, from the linear-attention layers' own `state_shapes()`.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def probe(model: nn.Module) -> ShapeProbe:
 def recurrent_state_bytes(model: nn.Module, num_rows: int, dtype: torch.dtype) -> int:
     """Bytes of the recurrent-state slots a native engine allocates for `num_rows` rows of `model`
     beside its KV cache (runtime/engine/recurrent_state.py: conv states in `dtype`, delta-rule
-    states in fp32); 0 without linear-attention layers."""
-    per_row = sum(math.prod(conv) * dtype.itemsize + math.prod(state) * 4 for conv, state in probe(model).linear.values())
-    return num_rows * per_row
+    states in fp32); 0 without linear-attention layers. Read from the layers' `state_shapes()`, not
+    a probe forward: `model` may be a meta skeleton, on which MoE dispatch cannot run."""
+    shapes = [m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")]
+    return num_rows * sum(math.prod(conv) * dtype.itemsize + math.prod(state) * 4 for conv, state in shapes)

@@ -119,6 +119,9 @@ def test_the_memory_plan_counts_the_recurrent_states_a_native_engine_allocates()
     assert asleep.peak == plan.peak - min(plan.kv_cache + plan.recurrent_states, plan.step_memory)  # freed asleep
     qwen3 = memory.plan(validate(RLConfig, {**raw, "model": {"flavor": "debug", "tokenizer": "char"}}), 24 * memory.GIB)
     assert qwen3.recurrent_states == 0
+    moe = memory.plan(validate(RLConfig, {**raw, "model": {"family": "qwen3_moe", "flavor": "debug", "tokenizer": "char"}}),
+                      24 * memory.GIB)  # a meta skeleton whose MoE dispatch cannot run: no probe forward
+    assert moe.recurrent_states == 0
 
 
 def plan_vocab(raw: dict) -> int:
