@@ -22,7 +22,8 @@ storages). Matmul backends:
 - "scaled_mm" (sm90 default, chosen by measurement: models/common/fp8_kernels.py): a Triton
   activation-quantisation kernel, then `torch._scaled_mm` with BlockWise1x128 x BlockWise128x128
   scales (cuBLAS, CUDA >= 12.9);
-- "triton" (sm89, and shapes cuBLAS refuses): one Triton kernel per linear that quantises the
+- "triton" (sm89, and shapes cuBLAS refuses or, probed once per shape, computes wrong: on an
+  H200 every N whose count of 128-blocks is neither 1 nor a multiple of 4): one Triton kernel per linear that quantises the
   activation tile in registers and runs e4m3 x e4m3 tensor-core products, fp32 per-K-block promotion;
 - "emulate": CPU and GPUs without FP8 tensor cores (one log line says so): the same quantised
   operands, dequantised to fp32 and multiplied (slow; for tests and correctness, not speed).

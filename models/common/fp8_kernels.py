@@ -17,17 +17,19 @@ Both are checked against `fp8.emulated_linear` (tests/unit/test_fp8.py, marked g
 one H200 (2026-12-01, docs/benchmarks.md) at the Qwen3-8B shapes, one decoder layer's seven
 linears: bf16 173 / 282 us at 256 / 512 rows, `scaled_mm_linear` 168 / 213 us, this Triton kernel
 751 / 758 us (its best tile per shape ~2.5x bf16). So the engine uses `scaled_mm_linear` on sm90
-(fp8.hardware_backend) and the Triton kernel only for shapes cuBLAS refuses and on sm89.
+(fp8.hardware_backend) and the Triton kernel on sm89 and for the weight shapes cuBLAS refuses or
+computes wrong (`cublas_is_right`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import Tensor
 
-BLOCK = 128  # = fp8.BLOCK (not imported: fp8 imports this module)
+from meshrl.models.common.fp8 import BLOCK, quantize_blocks  # fp8 imports this module only lazily
 
 
 @functools.cache
@@ -149,26 +151,64 @@ def quantize_act(x: Tensor, pad_rows: int = 1) -> tuple[Tensor, Tensor]:
 
 
 _UNSUPPORTED: set[tuple[int, int, int]] = set()  # (M, N, K) that cuBLAS refused: Triton serves them
+_CUBLAS_RIGHT: dict[tuple[int, int, int | None], bool] = {}  # (N, K, device) -> probe result
+log = logging.getLogger("meshrl.fp8")
+
+
+def _probe_cublas(N: int, K: int, device: torch.device) -> bool:
+    """Whether `torch._scaled_mm`'s blockwise path computes an (N, K) weight right: one small
+    product of random operands (a private generator: the global RNG is left alone) against the
+    Triton kernel. On an H200 (torch 2.11, CUDA 13, 2026-12-01) it returned garbage (errors of
+    25x to 1e36 the output) for every N whose count of 128-blocks is neither 1 nor a multiple of
+    4 (N = 256, 384, 640, 768), for any K and M, with no error raised."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, K, device=device, dtype=torch.bfloat16, generator=g)
+    w8, scale = quantize_blocks(torch.randn(N, K, device=device, generator=g) * 0.02)
+    ref = block_fp8_linear(x, w8, scale).float()
+    try:
+        out = _scaled_mm(x, w8, scale).float()
+    except RuntimeError:
+        return False
+    return bool(((out - ref).abs().max() <= 2e-2 * ref.abs().max()).item())
+
+
+def cublas_is_right(N: int, K: int, device: torch.device) -> bool:
+    """`_probe_cublas` once per weight shape and device. During CUDA graph capture (no probe
+    possible) an unprobed shape falls back to the rule measured on the H200: the count of
+    128-blocks along N is 1 or a multiple of 4."""
+    key = (N, K, device.index)
+    if key not in _CUBLAS_RIGHT:
+        if torch.cuda.is_current_stream_capturing():
+            return N // BLOCK == 1 or (N // BLOCK) % 4 == 0
+        _CUBLAS_RIGHT[key] = _probe_cublas(N, K, device)
+        if not _CUBLAS_RIGHT[key]:
+            log.info("FP8: torch._scaled_mm's blockwise path is wrong or refused for %dx%d weights on this GPU; "
+                     "the Triton FP8 kernel serves them", N, K)
+    return _CUBLAS_RIGHT[key]
+
+
+def _scaled_mm(x: Tensor, w8: Tensor, scale_inv: Tensor) -> Tensor:
+    x8, xs = quantize_act(x, pad_rows=4)
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x.dtype)[:x.shape[0]]
 
 
 def scaled_mm_linear(x: Tensor, w8: Tensor, scale_inv: Tensor, bias: Tensor | None = None) -> Tensor:
     """As `block_fp8_linear`, through `torch._scaled_mm` (BlockWise1x128 x BlockWise128x128).
 
     Rows are padded to a multiple of 4 (the outer-dim-major activation scales then have a 16-byte
-    aligned stride; on an H200 cuBLAS refused M = 1 and 7 unpadded, 2026-12-01). A shape cuBLAS
-    still refuses (CUBLAS_STATUS_NOT_SUPPORTED, raised on the host before any launch) goes to the
-    Triton kernel from then on; engines meet every decode shape once before capturing graphs."""
+    aligned stride; on an H200 cuBLAS refused M = 1 and 7 unpadded, 2026-12-01). A weight shape
+    that cuBLAS computes wrong (`cublas_is_right`, probed once per shape) and a shape it refuses
+    (CUBLAS_STATUS_NOT_SUPPORTED, raised on the host before any launch) go to the Triton kernel
+    from then on; engines meet every decode shape once before capturing graphs."""
     M, K = x.shape
     N = w8.shape[0]
-    if (M, N, K) in _UNSUPPORTED:
+    if (M, N, K) in _UNSUPPORTED or not cublas_is_right(N, K, x.device):
         return block_fp8_linear(x, w8, scale_inv, bias)
-    x8, xs = quantize_act(x, pad_rows=4)
     try:
-        out = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x.dtype)
+        out = _scaled_mm(x, w8, scale_inv)
     except RuntimeError as e:
         if "NOT_SUPPORTED" not in str(e):
             raise
         _UNSUPPORTED.add((M, N, K))
         return block_fp8_linear(x, w8, scale_inv, bias)
-    out = out[:M]
     return out if bias is None else out.add_(bias)
