@@ -4,7 +4,8 @@ One file holds everything a family needs:
 
 - `Llama3Args` and its conversion to and from an HF `config.json` dict (model_type "llama");
 - `FLAVORS`: a tiny "debug" model for tests and the real Llama 3.1 / 3.2 shapes;
-- the modules (`Attention`, `TransformerBlock`, `Llama3`; the SwiGLU `FeedForward` is shared);
+- the modules (`TransformerBlock`, `Llama3`; attention is common/gqa.py's `GQAttention` without
+  biases or q/k norms, the SwiGLU `FeedForward` is shared);
 - `PARALLEL_PLAN`: which submodules are FSDP units / how tensor parallelism splits them, as data;
 - `INIT_RULES`: the init scheme, applied by common/init.py;
 - `KEY_MAP`: the explicit key map between our names and HF's, applied by common/state_dict.py
@@ -28,9 +29,10 @@ from torch import Tensor, nn
 from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.decoder import DecoderLM
 from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.gqa import GQAttention
 from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
 from meshrl.models.common.norm import RMSNorm
-from meshrl.models.common.rope import Llama3RopeScaling, RotaryEmbedding, apply_rope
+from meshrl.models.common.rope import Llama3RopeScaling, RotaryEmbedding
 from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
 MODEL_TYPE = "llama"
@@ -250,37 +252,13 @@ PARALLEL_PLAN: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------
 
 
-class Attention(nn.Module):
-    """GQA self-attention, no biases, no q/k norm."""
-
-    def __init__(self, args: Llama3Args, layer_id: int) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        # x: (B, T, dim); cos, sin: (B, T, head_dim) -> (B, T, dim)
-        B, T, _ = x.shape
-        # -1 heads: under TP the projections are column-sharded and hold only the local heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, k, cos, sin)
-        out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)). The unit FSDP2 wraps."""
 
     def __init__(self, args: Llama3Args, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = GQAttention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, layer_id)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 

@@ -4,7 +4,8 @@ One file holds everything a family needs:
 
 - `Qwen3Args` and its conversion to and from an HF `config.json` dict;
 - `FLAVORS`: a tiny "debug" model for tests and the real Qwen3 shapes;
-- the modules (`Attention`, `TransformerBlock`, `Qwen3`; the SwiGLU `FeedForward` is shared, in common/ffn.py);
+- the modules (`TransformerBlock`, `Qwen3`; attention is common/gqa.py's `GQAttention` with per-head
+  q/k RMSNorm, the SwiGLU `FeedForward` is shared, in common/ffn.py);
 - `PARALLEL_PLAN`: which submodules are FSDP units / how tensor parallelism splits them, as data;
 - `INIT_RULES`: the init scheme, applied by common/init.py;
 - `KEY_MAP`: the explicit key map between our names (torchtitan style) and HF's, applied by
@@ -26,9 +27,10 @@ from torch import Tensor, nn
 from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.decoder import DecoderLM
 from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.gqa import GQAttention
 from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
 from meshrl.models.common.norm import RMSNorm
-from meshrl.models.common.rope import RotaryEmbedding, apply_rope
+from meshrl.models.common.rope import RotaryEmbedding
 from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
 MODEL_TYPE = "qwen3"
@@ -190,30 +192,11 @@ PARALLEL_PLAN: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------
 
 
-class Attention(nn.Module):
-    """GQA self-attention with per-head RMSNorm on q and k (before RoPE), no biases."""
-
-    def __init__(self, args: Qwen3Args, layer_id: int) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        # x: (B, T, dim); cos, sin: (B, T, head_dim) -> (B, T, dim)
-        B, T, _ = x.shape
-        # -1 heads: under TP the projections are column-sharded and hold only the local heads.
-        q = self.q_norm(self.wq(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.wk(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, k, cos, sin)
-        out = attn.attend(self.layer_id, q, k, v)  # (B, Hq, T, D)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+def attention(args: Qwen3Args, layer_id: int) -> GQAttention:
+    """Qwen3's attention: GQA without biases, RMSNorm over each head's q and k before RoPE
+    (common/gqa.py; also Qwen3-MoE's)."""
+    return GQAttention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, layer_id, qk_norm="head",
+                       norm_eps=args.norm_eps)
 
 
 class TransformerBlock(nn.Module):
@@ -222,7 +205,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: Qwen3Args, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 

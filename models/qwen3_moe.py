@@ -4,7 +4,7 @@ One file holds everything a family needs:
 
 - `Qwen3MoeArgs` and its conversion to and from an HF `config.json` dict (model_type "qwen3_moe");
 - `FLAVORS`: a tiny "debug" model, a few-billion-parameter benchmark shape and the real shapes;
-- the modules (`TransformerBlock`, `Qwen3Moe`); attention is Qwen3's (qwen3.Attention), the
+- the modules (`TransformerBlock`, `Qwen3Moe`); attention is Qwen3's (qwen3.attention), the
   routed experts are common/moe.py's `MoE`, dense layers use the shared SwiGLU `FeedForward`;
 - `PARALLEL_PLAN`: FSDP units and expert sharding as data;
 - `INIT_RULES`: the init scheme, applied by common/init.py;
@@ -40,7 +40,7 @@ from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
 from meshrl.models.common.state_dict import (DECODER_KEYS, EXPERT_KEYS, FUSED_EXPERT_KEYS, SWIGLU_KEYS, KeyMap,
                                              StateDictAdapter)
-from meshrl.models.qwen3 import ATTENTION_KEYS, Attention, qwen3_fields_from_hf
+from meshrl.models.qwen3 import ATTENTION_KEYS, attention, qwen3_fields_from_hf
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -233,7 +233,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: Qwen3MoeArgs, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, layer_id)
+        self.attention = attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.is_moe = args.is_moe_layer(layer_id)
         if self.is_moe:

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrl.models.common import packed_projections
 from meshrl.models.common.fp8 import quantized_params
 from meshrl.models.common.lora import policy_parameters
 from meshrl.parallel import full_tensors
@@ -292,6 +293,7 @@ class ColocatedReceiver:
                     view = self.flat[offset:offset + math.prod(shape)].view(shape)
                     view.copy_(param.detach())
                     param.data = view
+            packed_projections.bind(model)  # packed projections are views of the flat buffer now, where they can be
         self.fingerprint = _fingerprint(self.entries, dtype)
         self.device, self.peer, self.to_peer, self.from_peer = device, peer, to_peer, from_peer
         self.buffer: torch.Tensor | None = None

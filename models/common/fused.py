@@ -40,12 +40,14 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm(x_ptr, w_ptr, out_ptr, rows, stride_x, stride_o, N, eps,
+    def rms_norm(x_ptr, w_ptr, out_ptr, rows, inner, stride_outer, stride_inner, stride_o, N, eps,
                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # row r of x is at (r // inner) * stride_outer + (r % inner) * stride_inner
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         c = tl.arange(0, BLOCK)
         mask = (r < rows)[:, None] & (c < N)[None, :]
-        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_rows = (r // inner).to(tl.int64) * stride_outer + (r % inner).to(tl.int64) * stride_inner
+        x = tl.load(x_ptr + x_rows[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
         y = x * tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # eager casts back before the weight
         w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
@@ -78,11 +80,12 @@ def _kernels():
         tl.store(op + HALF, o2.to(dt), mask=mask)
 
     @triton.jit
-    def silu_mul(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def silu_mul(a_ptr, b_ptr, out_ptr, n, H, stride_a, stride_b, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
-        a = tl.load(a_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        row, col = (i // H).to(tl.int64), i % H
+        a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + col, mask=mask, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         s = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
         tl.store(out_ptr + i, (s * b).to(dt), mask=mask)
@@ -95,18 +98,42 @@ def _pow2(n: int) -> int:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim with RMSNorm's numerics; weight in x's dtype."""
+    """RMSNorm over the last dim with RMSNorm's numerics; weight in x's dtype -> a contiguous result.
+    x needs a contiguous last dim and rows on at most two strides (read in place: the per-head
+    q/k of a packed q/k/v projection, models/common/packed_projections.py); other layouts are copied first."""
     kernel = _kernels()[0]
     N = x.shape[-1]
-    x2 = x.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    x3 = _two_level_rows(x)
+    if x3 is None:
+        x3 = x.contiguous().view(1, -1, N)
+    outer, inner, _ = x3.shape
+    rows = outer * inner
+    out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     block = _pow2(N)
     rows_per = max(1, min(64, 4096 // block))
-    kernel[(triton_cdiv(x2.shape[0], rows_per),)](x2, weight, out, x2.shape[0], x2.stride(0), out.stride(0), N, eps,
-                                                 ROWS=rows_per, BLOCK=block, num_warps=4)
+    kernel[(triton_cdiv(rows, rows_per),)](x3, weight, out, rows, inner, x3.stride(0), x3.stride(1), out.stride(0), N,
+                                          eps, ROWS=rows_per, BLOCK=block, num_warps=4)
     return out.view(x.shape)
+
+
+def _two_level_rows(x: Tensor) -> Tensor | None:
+    """x (..., N) as an (outer, inner, N) view with a contiguous last dim, or None if its rows need
+    more than two strides."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return None
+    sizes, strides = [], []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == stride * size:  # merges with the dim before it
+            sizes[-1], strides[-1] = sizes[-1] * size, stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if len(sizes) > 2:
+        return None
+    sizes, strides = [1] * (2 - len(sizes)) + sizes, [0] * (2 - len(strides)) + strides
+    return x.as_strided((*sizes, x.shape[-1]), (*strides, 1))
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -121,12 +148,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def silu_mul(a: Tensor, b: Tensor) -> Tensor:
-    """silu(a) * b for same-shape contiguous a, b, rounded like the eager pair of ops."""
+    """silu(a) * b for same-shape a, b, rounded like the eager pair of ops -> contiguous. a and b
+    may be row-strided views (the halves of a packed gate/up projection, models/common/packed_projections.py)."""
     kernel = _kernels()[2]
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty_like(a)
-    n = a.numel()
-    kernel[(triton_cdiv(n, 1024),)](a, b, out, n, BLOCK=1024, num_warps=4)
+    H = a.shape[-1]
+    a2, b2 = (t.reshape(-1, H) for t in (a, b))  # views for the packed halves
+    if a2.stride(-1) != 1 or b2.stride(-1) != 1:
+        a2, b2 = a2.contiguous(), b2.contiguous()
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    n = a2.numel()
+    kernel[(triton_cdiv(n, 1024),)](a2, b2, out, n, H, a2.stride(0), b2.stride(0), BLOCK=1024, num_warps=4)
     return out
 
 

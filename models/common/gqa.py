@@ -18,17 +18,22 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.norm import RMSNorm
+from meshrl.models.common.packed_projections import Packed
 from meshrl.models.common.rope import apply_rope
 
 QKNorm = Literal["none", "head", "full"]
 
 
 class GQAttention(nn.Module):
-    """GQA self-attention: optional q/k/v and output biases, optional q/k RMSNorm, partial RoPE."""
+    """GQA self-attention: optional q/k/v and output biases, optional q/k RMSNorm, partial RoPE.
+    In the native engine q/k/v are one matmul (`packed["qkv"]`, models/common/packed_projections.py)."""
+
+    packs = {"qkv": ("wq", "wk", "wv")}
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, layer_id: int, *,
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: QKNorm = "none",
@@ -39,6 +44,7 @@ class GQAttention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = head_dim
         self.qk_norm = qk_norm
+        self.packed: dict[str, Packed] = {}  # set by packed_projections.bind (the engine), empty in training
         self.window = window
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
@@ -57,7 +63,11 @@ class GQAttention(nn.Module):
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, dim) -> q (B, Hq, T, D), k and v (B, Hkv, T, D), norms and RoPE applied."""
         B, T, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if "qkv" in self.packed and not self.wq.weight.requires_grad:  # never on a path that trains
+            weight, bias, sizes = self.packed["qkv"]
+            q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, -1, self.head_dim)

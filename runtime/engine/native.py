@@ -84,7 +84,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
-from meshrl.models.common import fp8
+from meshrl.models.common import fp8, packed_projections
 from meshrl.models.common.probe import probe as probe_shapes
 from meshrl.runtime.engine.api import Completion, Request
 from meshrl.runtime.engine.kv_cache import BlockManager, KVCache, triton_available
@@ -422,7 +422,8 @@ def _check_sizes(max_num_seqs: int, max_model_len: int, block_size: int, kv_cach
 
 def _quantize(model: nn.Module, device: torch.device, quantization: str, kv_cache_dtype: str, tp_group) -> bool:
     """FP8 weights for quantization="fp8" (after the move to the device: .to(dtype) would cast e4m3
-    back) -> whether the KV cache is FP8; ValueError for an option the native engine does not run."""
+    back), then the packed projections of the linears left plain (models/common/packed_projections.py)
+    -> whether the KV cache is FP8; ValueError for an option the native engine does not run."""
     if quantization not in ("none", "fp8"):
         raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
     if kv_cache_dtype not in ("auto", "fp8"):
@@ -431,6 +432,7 @@ def _quantize(model: nn.Module, device: torch.device, quantization: str, kv_cach
         raise ValueError("quantization='fp8' is not supported with tensor parallelism yet (inference.tensor_parallel > 1)")
     if quantization == "fp8":
         fp8.quantize_model(model, device)
+    packed_projections.pack(model)  # the bf16 linears' q/k/v and gate/up as one matmul each
     return kv_cache_dtype == "fp8"
 
 
