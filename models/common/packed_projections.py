@@ -25,6 +25,8 @@ reads `self.packed` in its forward; the trainer never packs (its `packed` stays 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 
@@ -62,7 +64,10 @@ def _stacked(tensors: list[Tensor]) -> Tensor | None:
 
 @torch.no_grad()
 def pack(model: nn.Module) -> int:
-    """Give every packable group one storage (module docstring), then `bind`; returns the groups packed."""
+    """Give every packable group one storage (module docstring), then `bind`; returns the groups
+    packed. MESHRL_PACKED_PROJECTIONS=0 packs nothing (to compare)."""
+    if os.environ.get("MESHRL_PACKED_PROJECTIONS", "1") == "0":
+        return 0
     for _, _, linears in _groups(model):
         if linears is None:
             continue
