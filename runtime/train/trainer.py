@@ -34,6 +34,7 @@ from meshrl.parallel.parallelize import clip_grad_norm_
 from meshrl.runtime.train import losses
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.train.logprob_head import LogprobHead
+from meshrl.runtime.train.shared_prompt import SharedPromptAttention, is_shared
 from meshrl.runtime.rundir import log
 
 _STAT_KEYS = ("loss_tokens", "masked_tokens", "clipped_tokens", "corrected_tokens", "mismatch_kl_sum", "entropy_sum",
@@ -127,9 +128,15 @@ class Trainer:
         # A row that is one document needs no document mask: plain causal SDPA then picks the
         # fastest fused kernel (cuDNN / flash), which beats the varlen and flex kernels.
         single_document = self.cp == 1 and int(mb["doc_ids"].max()) == 0
+        shared = is_shared(mb)
         mb = mb.to(self.device)
         if single_document:
             attn = CausalAttention()
+        elif shared:
+            if self.cp > 1:
+                raise ValueError("shared-prompt rows cannot be split over context-parallel ranks "
+                                 "(the controller packs unshared rows when trainer.parallel.cp > 1)")
+            attn = SharedPromptAttention(mb["doc_ids"], mb["prompt_doc"], mb["position_ids"], self.attention)
         elif self.cp > 1:
             from meshrl.parallel.context_parallel import ContextParallelAttention, cp_split, pad_for_cp
 

@@ -9,7 +9,7 @@ import torch
 from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack, pack_sft
 
 FIELDS = {
-    "input_ids", "position_ids", "doc_ids", "sample_ids", "targets", "loss_mask", "advantages", "inference_logprobs"
+    "input_ids", "position_ids", "doc_ids", "prompt_doc", "sample_ids", "targets", "loss_mask", "advantages", "inference_logprobs"
 }
 
 

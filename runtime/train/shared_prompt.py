@@ -1,0 +1,184 @@
+"""Attention over packed rows whose samples share one copy of their prompt (runtime/train/packing.py).
+
+A shared-prompt row holds, besides plain documents, *units*: a prompt document (the shared prompt
+minus its last token) followed by one branch document per sample (the last prompt token and that
+sample's completion, positions continuing the prompt's). ``prompt_doc`` (1, T) is 0 outside branches
+and 1 + the prompt document's id on a branch's tokens. Token i attends token j iff
+
+    (doc[i] == doc[j] and j <= i)  or  doc[j] == prompt_doc[i] - 1
+
+so a branch sees the whole prompt and itself causally, the prompt sees itself causally: each branch
+token gets the keys, values and positions it has in its unshared document, hence the same outputs,
+and the prompt's activations receive the sum of every branch's gradient, as the unshared copies'
+would. Backends (the trainer's `trainer.attention`, resolved):
+
+- "split": one causal SDPA per plain or prompt document, and per branch one SDPA of its queries over
+  the prompt's and its own keys (concatenated) with a bottom-right causal mask. The CPU default.
+- "sdpa": SDPA with the dense (1, 1, T, T) mask of the rule above; also what "split" uses for
+  sliding windows (measured in positions, not row distance), attention sinks and sparse selection.
+- "varlen" / "flash_attn": one flash varlen call; every document's keys are gathered as (its prompt
+  document, if any) + itself, so cu_seqlens differ for queries and keys, and the kernels' causal mask
+  is aligned bottom-right (flash-attn's documented convention; tests/gpu checks it against "sdpa").
+- "flex": FlexAttention with a block mask built from the rule (create_block_mask).
+
+Context parallelism does not take these rows: the controller packs unshared rows when cp > 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from meshrl.models.common.attention import attention_with_sinks, document_cu_seqlens, selected
+
+
+def is_shared(mb: Any) -> bool:
+    """True when a packed row (TensorDict) has a branch of a shared prompt."""
+    return "prompt_doc" in mb.keys() and bool((mb["prompt_doc"] > 0).any())
+
+
+def shared_prompt_mask(doc_ids: Tensor, prompt_doc: Tensor, positions: Tensor, window: int | None = None) -> Tensor:
+    """(B, T, T) bool, the module docstring's rule; `window`: also pos[i] - pos[j] < window."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal) | (prompt_doc[:, :, None] - 1 == doc_ids[:, None, :])
+    if window is not None:
+        allowed &= positions[:, :, None] - positions[:, None, :] < window
+    return allowed
+
+
+@functools.cache
+def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """(q_len, kv_len) bool: query r attends keys <= kv_len - q_len + r (the queries are the last keys)."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+class SharedPromptAttention:
+    """The attention context of a shared-prompt row (B == 1), for `backend` (module docstring)."""
+
+    def __init__(self, doc_ids: Tensor, prompt_doc: Tensor, positions: Tensor, backend: str) -> None:
+        if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
+            raise ValueError(f"shared-prompt rows are single packed rows, doc_ids (1, T); got {tuple(doc_ids.shape)}")
+        if backend not in ("split", "sdpa", "varlen", "flash_attn", "flex"):
+            raise ValueError(f"attention backend {backend!r} has no shared-prompt path")
+        self.doc_ids, self.prompt_doc, self.positions, self.backend = doc_ids, prompt_doc, positions, backend
+        cu, _ = document_cu_seqlens(doc_ids)
+        cu = cu.tolist()
+        self.bounds = list(zip(cu[:-1], cu[1:]))  # [(start, end)] per document
+        firsts = prompt_doc[0, cu[:-1]].tolist()
+        self.prompt_index = [None if p == 0 else p - 1 for p in firsts]  # each document's prompt document
+        self.prompt_of = [None if p is None else self.bounds[p] for p in self.prompt_index]
+        for d, p in enumerate(firsts):
+            assert p == 0 or (p - 1 < d and firsts[p - 1] == 0), f"document {d}: bad prompt document {p - 1}"
+        self._masks: dict[int | None, Tensor] = {}
+        self._gather: tuple | None = None
+        self._block_mask: Any = None
+
+    def mask(self, device: torch.device, window: int | None = None) -> Tensor:
+        """(1, 1, T, T) bool of the rule, cached per window."""
+        if window not in self._masks:
+            self._masks[window] = shared_prompt_mask(self.doc_ids.to(device), self.prompt_doc.to(device),
+                                                     self.positions.to(device), window)[:, None]
+        return self._masks[window]
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
+        B, num_q_heads, T, _ = q.shape
+        assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        special = window is not None or sinks is not None or index is not None or keep is not None
+        if special and self.backend not in ("split", "sdpa"):
+            raise ValueError(f"the {self.backend!r} attention backend has no sliding windows, attention sinks or "
+                             "sparse selection on shared-prompt rows; use trainer.attention = 'sdpa' or 'split'")
+        if self.backend == "sdpa" or special:
+            return self._dense(q, k, v, window, sinks, index, keep)
+        if self.backend == "split":
+            return self._split(q, k, v)
+        if self.backend == "flex":
+            return self._flex(q, k, v)
+        return self._varlen(q, k, v)
+
+    def _dense(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None,
+               index: tuple | None, keep: Tensor | None) -> Tensor:
+        mask = self.mask(q.device, window)
+        if index is not None or keep is not None:
+            mask = selected(mask[:, 0], None if index is None else index[0], index, keep)
+        if sinks is not None:
+            return attention_with_sinks(q, k, v, mask, sinks)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # as DocumentCausalAttention: the masked CUDA kernel takes no enable_gqa
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _split(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        sizes = [e - s for s, e in self.bounds]
+        # torch.split: one concatenation in backward (see SplitDocumentAttention)
+        qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+        outs = []
+        for d, p in enumerate(self.prompt_index):
+            if p is None:
+                outs.append(F.scaled_dot_product_attention(qs[d], ks[d], vs[d], is_causal=True, enable_gqa=gqa))
+                continue
+            kd, vd = torch.cat([ks[p], ks[d]], dim=2), torch.cat([vs[p], vs[d]], dim=2)
+            mask = _lower_right(sizes[d], kd.shape[2], q.device)
+            outs.append(F.scaled_dot_product_attention(qs[d], kd, vd, attn_mask=mask, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
+
+    def gather_index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, int, int]:
+        """(key index (T',) into the row, cu_seqlens_q, cu_seqlens_k (num_docs + 1,) int32, max q, max k)."""
+        if self._gather is None:
+            index, cu_k = [], [0]
+            for (s, e), prompt in zip(self.bounds, self.prompt_of):
+                if prompt is not None:
+                    index.extend(range(*prompt))
+                index.extend(range(s, e))
+                cu_k.append(len(index))
+            cu_q = [s for s, _ in self.bounds] + [self.bounds[-1][1]]
+            max_q = max(e - s for s, e in self.bounds)
+            max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+            as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+            self._gather = (torch.tensor(index, device=device), as_int(cu_q), as_int(cu_k), max_q, max_k)
+        return self._gather
+
+    def _varlen(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"varlen (flash) attention needs bf16 or fp16 q/k/v, got {q.dtype}")
+        index, cu_q, cu_k, max_q, max_k = self.gather_index(q.device)
+        q_, k_, v_ = (x[0].transpose(0, 1) for x in (q, k, v))  # (T, H, D)
+        q_, k_, v_ = q_.contiguous(), k_.index_select(0, index), v_.index_select(0, index)
+        if self.backend == "flash_attn":
+            from flash_attn import flash_attn_varlen_func
+
+            out = flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, max_q, max_k, causal=True)
+        else:
+            from meshrl.models.common.attention import _torch_varlen_attn, _torch_varlen_params
+
+            params = _torch_varlen_params()
+            kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+            if q_.shape[1] != k_.shape[1]:
+                if "enable_gqa" in params:
+                    kwargs["enable_gqa"] = True
+                else:
+                    n_rep = q_.shape[1] // k_.shape[1]
+                    k_, v_ = k_.repeat_interleave(n_rep, dim=1), v_.repeat_interleave(n_rep, dim=1)
+            out = _torch_varlen_attn()(q_, k_, v_, cu_q, cu_k, max_q, max_k, **kwargs)
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def _flex(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from meshrl.models.common.attention import _compiled_flex_attention
+
+        if self._block_mask is None:
+            doc, pd = self.doc_ids[0].to(q.device), self.prompt_doc[0].to(q.device)
+
+            def rule(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return ((kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])) | (pd[q_idx] - 1 == doc[kv_idx])
+
+            T = doc.shape[0]
+            self._block_mask = create_block_mask(rule, 1, None, T, T, device=q.device)
+        return _compiled_flex_attention()(q, k, v, block_mask=self._block_mask, enable_gqa=q.shape[1] != k.shape[1])
