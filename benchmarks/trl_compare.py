@@ -19,7 +19,8 @@ Each run is a fresh process; runs alternate (TRL, meshrl, TRL, meshrl, ...) so t
 machine's load hits both alike. Printed per run (one JSON line): `rl_s` = the RL phase (TRL:
 `trainer.train()`; meshrl: the sum of its steps' `time/step_s`), `samples_per_s` = steps x 64 /
 rl_s, `wall_s` = the whole process (imports, start-up, model load), the reward of the first and last
-steps. Then a summary line: the median rl_s of each framework and meshrl's samples/s over TRL's.
+steps, and for meshrl the trainer's seconds (`train_s`) and the mean fraction of the unshared
+packing's tokens that shared-prompt packing saved (`prompt_shared_fraction`). Then a summary line: the median rl_s of each framework and meshrl's samples/s over TRL's.
 Nothing is asserted; docs/benchmarks.md records runs.
 """
 
@@ -104,6 +105,7 @@ def run_meshrl(start: Path, steps: int, prompts: int, samples: int, max_tokens: 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rl_s": sum(r["time/step_s"] for r in rows), "reward_first": rows[0]["reward/mean"],
             "reward_last": rows[-1]["reward/mean"], "train_s": sum(r["time/train_s"] for r in rows),
+            "prompt_shared_fraction": statistics.mean(r.get("tokens/prompt_shared_fraction", 0.0) for r in rows),
             "flags": extra}
 
 
