@@ -44,6 +44,7 @@ import ctypes
 import importlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -57,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshrl.runtime import rank_server
 from meshrl.runtime.config import Base, ConfigError, load_config
 from meshrl.runtime.liveness import start_liveness
 from meshrl.runtime.rundir import (ACTIVITY, LOCK_ENV, check_run_dir_fresh, clear_run_dir, lock_run_dir, log, mark_run_dir, restart_count,
@@ -252,19 +254,20 @@ RANK_START_ENV = "MESHRL_RANK_START"
 
 
 def rank_start(cfg: Base) -> str:
-    """How the agent starts the ranks of a job on this node: "exec" (the default) runs `python -m MODULE`
-    for each, as plain torchrun does; "fork" (MESHRL_RANK_START=fork, CPU jobs on Linux only: a
-    process that touched CUDA cannot fork a CUDA rank) forks them from the agent, which the launcher
-    forked after importing torch and the rank program, so a rank starts in milliseconds instead of
-    importing torch and meshrl again (seconds each, on a few cores)."""
+    """How the agent starts the ranks of a job on this node: "fork" (the default for CPU jobs on Linux)
+    forks them from a fork server (rank_server.py) that the agent forked at its start, while it was one
+    thread, after the launcher imported torch and the rank program: a rank starts in milliseconds
+    instead of importing torch and meshrl again (seconds each, on a few cores). "exec" (the default
+    for GPU jobs: a process that touched CUDA cannot fork a CUDA rank) runs `python -m MODULE` for
+    each, as plain torchrun does. MESHRL_RANK_START=exec|fork overrides."""
     forced = os.environ.get(RANK_START_ENV)
     if forced is not None:
         if forced not in ("exec", "fork"):
             raise ValueError(f"{RANK_START_ENV}={forced!r}: use exec or fork")
         return forced
-    # fork is opt-in: one forked rank of a 6-rank CPU job once hung in a futex before init_process_group
-    # (forked from the agent while its threads ran); until that is understood the default is exec
-    return "exec"
+    from meshrl.runtime.layout import use_cuda
+
+    return "fork" if sys.platform.startswith("linux") and not use_cuda(cfg.dist.device) else "exec"
 
 
 def run_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, signal.Signals | None]:
@@ -272,9 +275,10 @@ def run_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, s
     SIGTERM to it; a second one kills it. Returns (its exit code, negative for a signal as
     subprocess reports it; the first signal forwarded or None).
 
-    On Linux the agent is this process, forked (torch is imported already: no second Python start);
-    elsewhere `python -m meshrl.runtime.launch --agent ARGV`."""
-    if sys.platform.startswith("linux"):
+    On Linux the agent is this process, forked (torch is imported already: no second Python start),
+    unless another Python thread runs here (launch() called from a threaded program: a lock it holds
+    would be copied locked); elsewhere, or then, `python -m meshrl.runtime.launch --agent ARGV`."""
+    if sys.platform.startswith("linux") and threading.active_count() == 1:  # (fork_agent says why)
         pid = fork_agent(argv, env)
         send = lambda sig: os.kill(pid, sig)  # noqa: E731
         wait = lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # noqa: E731
@@ -303,7 +307,10 @@ def run_forwarding_signals(argv: list[str], env: dict[str, str]) -> tuple[int, s
 
 def fork_agent(argv: list[str], env: dict[str, str]) -> int:
     """Fork the agent: a session of its own, `env` as its environment, agent_main(argv); returns its pid.
-    The child never returns into the caller's code: it ends with os._exit (no interpreter teardown)."""
+    The child never returns into the caller's code: it ends with os._exit (no interpreter teardown).
+    Called only while this process runs no other Python thread: fork copies the calling thread alone,
+    and a lock another thread held would stay locked in the agent. (Native pools are their libraries'
+    business: numpy's OpenBLAS, the one started by importing numpy, stops its threads before a fork.)"""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -423,11 +430,15 @@ def agent_main(argv: list[str]) -> int:
     args = parse_args(argv[2:])
     config, entrypoint, entry_args = config_from_args(args)
     exits = None
-    if start == "fork":
+    if start == "fork" and not (rank_server.supported() and rank_server.thread_count() == 1):
+        print(f"meshrl: the ranks are started with exec ({rank_server.unsupported_reason()})", file=sys.stderr)
+    elif start == "fork":  # from a server forked now, while this process is one thread (rank_server says why)
         global RANK_EXITS
-        config.start_method = "fork"
-        entrypoint, entry_args = forked_rank, [args.training_script, *args.training_script_args]
         exits = RANK_EXITS = RankExits()
+        rank_server.install(exits.write, lambda: die_with_parent(signal.SIGKILL))
+        exits.start()
+        config.start_method = "forkserver"  # multiprocessing's protocol, served by rank_server
+        entrypoint, entry_args = forked_rank, [args.training_script, *args.training_script_args]
     try:
         elastic_launch(config, entrypoint)(*entry_args)
     except ChildFailedError as e:
@@ -455,53 +466,44 @@ def agent_main(argv: list[str]) -> int:
 class RankExits:
     """The agent's record of how its forked ranks ended. torchrun's record of forked (multiprocessing)
     workers holds only the first failure it finds at a poll, the lowest local rank among those already
-    dead, not the rank that failed first. Each forked rank announces (pid, attempt, rank) on a pipe; a
-    thread of the agent looks at every announced rank every 20 ms without reaping it (waitid WNOWAIT,
-    so torchrun still collects it) and notes its exit code and when it was first seen dead."""
+    dead, not the rank that failed first. Each forked rank announces "S PID ATTEMPT RANK LOCAL_RANK" on
+    a pipe at its start, and the rank server (rank_server.py, which reaps them) "E PID EXITCODE TIME"
+    at its end; a thread of the agent reads them."""
 
     def __init__(self):
         self.read, self.write = os.pipe()
         self.ranks: dict[int, tuple[int, int, int]] = {}  # pid -> (attempt, rank, local rank)
-        self.exits: dict[int, tuple[int | None, float]] = {}  # pid -> (exit code, negative for a signal; time)
-        threading.Thread(target=self._watch, name="rank-exits", daemon=True).start()
+        self.exits: dict[int, tuple[int, float]] = {}  # pid -> (exit code, negative for a signal; time)
+
+    def start(self) -> None:
+        """Start the reading thread (after rank_server.install: the server must be forked without it)."""
+        threading.Thread(target=self._read, name="rank-exits", daemon=True).start()
 
     def announce(self) -> None:
         """In a forked rank, at its start."""
         env = os.environ
-        os.write(self.write, f"{os.getpid()} {env.get('TORCHELASTIC_RESTART_COUNT', '0')} {env['RANK']} "
+        os.write(self.write, f"S {os.getpid()} {env.get('TORCHELASTIC_RESTART_COUNT', '0')} {env['RANK']} "
                              f"{env['LOCAL_RANK']}\n".encode())
 
     def failures(self) -> dict[int, dict[str, Any]]:
         """rank -> failure (torchrun's record format) of the last attempt's ranks that ended non-zero."""
-        time.sleep(0.05)  # the ranks torchrun stopped have ended: let the watch see them
+        time.sleep(0.05)  # the ranks torchrun stopped have ended: let the server's reports arrive
         last = max((a for a, _, _ in self.ranks.values()), default=0)
         return {rank: {"rank": rank, "local_rank": local, "pid": pid, "exitcode": self.exits[pid][0],
                        "timestamp": self.exits[pid][1], "message": ""}
                 for pid, (attempt, rank, local) in list(self.ranks.items())
-                if attempt == last and pid in self.exits and self.exits[pid][0] not in (0, None)}
+                if attempt == last and pid in self.exits and self.exits[pid][0] != 0}
 
-    def _watch(self) -> None:
-        os.set_blocking(self.read, False)
+    def _read(self) -> None:
         pending = b""
-        while True:
-            try:
-                pending += os.read(self.read, 4096)
-            except BlockingIOError:
-                pass
-            *lines, pending = pending.split(b"\n")
+        while chunk := os.read(self.read, 4096):
+            *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                pid, attempt, rank, local = map(int, line.split())
-                self.ranks[pid] = (attempt, rank, local)
-            for pid in self.ranks.keys() - self.exits.keys():
-                try:
-                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:  # torchrun reaped it first (its record may have it): no longer watched
-                    self.exits[pid] = (None, time.time())
-                    continue
-                if info is not None:
-                    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                    self.exits[pid] = (code, time.time())
-            time.sleep(0.02)
+                kind, pid, *rest = line.split()
+                if kind == b"S":
+                    self.ranks[int(pid)] = tuple(map(int, rest))  # type: ignore[assignment]
+                else:
+                    self.exits[int(pid)] = (int(rest[0]), float(rest[1]))
 
 
 RANK_EXITS: RankExits | None = None  # the agent's, inherited by the ranks it forks
@@ -518,6 +520,7 @@ def forked_rank(module: str, *argv: str) -> None:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [module, *argv]
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a fresh rank
     importlib.import_module(module).main(list(argv))
 
 

@@ -215,7 +215,7 @@ def test_cpu_jobs_fork_their_ranks_unless_told_otherwise(monkeypatch):
 
     cfg = RLConfig(model={"flavor": "debug", "tokenizer": "char"}, dist={"device": "cpu"})
     monkeypatch.delenv(launch.RANK_START_ENV, raising=False)
-    assert launch.rank_start(cfg) == "exec"  # fork is opt-in (launch.rank_start says why)
+    assert launch.rank_start(cfg) == "fork"  # a CPU job on Linux
     monkeypatch.setenv(launch.RANK_START_ENV, "fork")
     assert launch.rank_start(cfg) == "fork"
     monkeypatch.setenv(launch.RANK_START_ENV, "exec")
