@@ -5,10 +5,11 @@ Two ways in, one code path:
 - `meshrl rl @ cfg.toml` (or `meshrl.runtime.rl.launch(cfg)` from Python) validates the
   config, takes the run directory's lock, writes RUN_DIR/config.json and starts torchrun's agent
   (agent_main: torchrun's elastic launch, plus the record below) with the rank module on that
-  file. On Linux the agent is the launcher forked, so torch is not imported a second time; the
-  ranks are `python -m MODULE` processes, as torchrun's (rank_start). With MESHRL_RANK_START=fork
-  (CPU jobs) they are forked from the agent instead, after the launcher imported what they all
-  import (the rank module's PRELOAD), and run the rank module's `main` as `python -m` would;
+  file. On Linux the agent is the launcher forked, so torch is not imported a second time. CPU
+  jobs fork their ranks (rank_start): the launcher imports what they all import (the rank module's
+  PRELOAD), the agent forks a fork server at its start, while it is one thread (rank_server.py says
+  why), and torchrun starts the ranks through it; each runs the rank module's `main` as `python -m`
+  would. GPU jobs (or MESHRL_RANK_START=exec) run `python -m MODULE` ranks, as torchrun's;
 - `torchrun --nproc-per-node N -m meshrl.runtime.rl @ cfg.toml` runs the rank module
   directly (multi-node, Slurm). Every rank validates the config and the world size before
   `init_process_group`, so a mistake costs no rendezvous; rank 0 takes the lock.
@@ -22,7 +23,8 @@ Process tree and signals (no orphans):
            |            launcher only); dies with the launcher (parent-death signal SIGTERM, which
            |            makes torchrun stop its workers); on a failure writes torchrun's record of
            |            the failed ranks (logs/torchrun-failure.json)
-           +- ranks     die with their agent (parent-death signal SIGKILL, or a watchdog thread
+           +- (rank server: forked CPU ranks only; dies with the agent, parent-death signal SIGKILL)
+           +- ranks     die with their agent or rank server (parent-death signal SIGKILL, or a watchdog thread
                         where prctl is missing); SIGINT kills a rank at once (no traceback);
                         heartbeats (runtime/liveness.py) end the job when a rank freezes
 
@@ -364,7 +366,7 @@ def report_failure(run_dir: Path, code: int) -> None:
     # torchrun lists the ranks that had failed when it first saw a failure, then those it stopped
     # itself (SIGTERM), all with times in whole seconds: within a second, a rank killed by a signal
     # (it did not fail because of a peer) comes first, then ranks by the time of their error files.
-    # (Forked ranks: the agent's RankExits times every rank's end to 20 ms.)
+    # (Forked ranks: the rank server times every rank's end when it reaps it, launch.RankExits.)
     stopped = -int(signal.SIGTERM)
     order = sorted(record["failures"], key=lambda f: (f["exitcode"] == stopped, f["timestamp"], f["exitcode"] >= 0,
                                                       errors.get(f["rank"], {}).get("time", float("inf")), f["rank"]))
@@ -445,13 +447,13 @@ def agent_main(argv: list[str]) -> int:
         root, _ = e.get_first_failure()
         failures = {rank: {"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
                            "timestamp": f.timestamp, "message": f.message} for rank, f in e.failures.items()}
-        if exits is not None:  # torchrun saw one forked rank fail; these are all of them, timed to 20 ms
+        if exits is not None:  # torchrun saw one forked rank fail; these are all of them, timed when reaped
             failures.update(exits.failures())
-            for rank, f in failures.items():  # a rank's error file says to the millisecond when it failed (the
-                error = record.parent / f"error-rank{rank}.txt"  # watch sees an end up to 20 ms late)
+            for rank, f in failures.items():  # a rank's error file says when it failed, before its exit
+                error = record.parent / f"error-rank{rank}.txt"
                 if error.is_file():
                     f["timestamp"] = error.stat().st_mtime
-                elif isinstance(f["timestamp"], int):  # reaped by torchrun before the watch saw it
+                elif isinstance(f["timestamp"], int):  # torchrun's whole second: no report of the server yet
                     f["timestamp"] = time.time()
             root = min(failures.values(), key=lambda f: f["timestamp"])["rank"]
         record.parent.mkdir(parents=True, exist_ok=True)
