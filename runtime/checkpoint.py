@@ -503,6 +503,29 @@ def describe_write_error(e: BaseException, where: Path) -> str:
     return f"{type(first).__name__}: {text.splitlines()[0] if text else ''} ({where})"
 
 
+def state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's tensors in a DCP state (a DTensor counts its local shard)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    leaves = (x.to_local() if isinstance(x, DTensor) else x for x in tree_leaves(state))
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+
+
+def check_room(state: dict[str, Any], tmp: Path, group: dist.ProcessGroup | None) -> None:
+    """OSError ENOSPC on every rank of `group` (a collective) when one of them has less free space
+    for its shards than they take plus _FULL_BYTES. A save that cannot fit then fails before writing:
+    its partial files never fill the disk, so the run's other writes (metrics.jsonl, samples, logs,
+    another rank's shards) keep their room."""
+    need, free = state_bytes(state), _free_bytes(tmp)
+    short = torch.tensor([int(free < need + _FULL_BYTES)])
+    if dist.is_initialized():
+        dist.all_reduce(short, op=dist.ReduceOp.MAX, group=group)  # CPU: gloo carries it
+    if short.item():
+        raise OSError(errno.ENOSPC, f"the save needs {need // 1024} KiB here or on another trainer rank, "
+                                    f"{free // 1024} KiB free here", str(tmp))
+
+
 def report_failed_save(step: int, tmp: Path, error: BaseException, on_error: str, failed: int | None = None,
                        remove: bool = False) -> None:
     """Say that the save of step_N failed and why, naming the checkpoint that stays, and remove the
@@ -747,6 +770,7 @@ class TrainerCheckpointer:
         writer = dcp.FileSystemWriter(str(tmp / TRAINER_DIR))  # DCP creates the folder
         saved: Future = Future()
         try:
+            check_room(state, tmp, self.group)
             if self.cfg.async_save:
                 # the state is copied to CPU before this returns; the files are written in the background
                 saved = dcp.async_save(state, storage_writer=writer, process_group=self.group)

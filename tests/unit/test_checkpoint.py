@@ -276,9 +276,18 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog
             ckpt.begin_save(tmp_path, 2, {ckpt.CONTROLLER_FILE: {}}, "fail")
 
 
-def test_a_real_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, caplog):
-    """On a small tmpfs (skipped where none can be mounted): torch.save's zip writer reports the
-    short write as a RuntimeError, not ENOSPC; the message still says what happened."""
+def _recording(write_data, calls: list):
+    def record(self, *args, **kwargs):
+        calls.append(1)
+        return write_data(self, *args, **kwargs)
+    return record
+
+
+def test_a_real_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, caplog, monkeypatch):
+    """On a small tmpfs (skipped where none can be mounted): the save that cannot fit fails before it
+    writes anything (check_room), so the disk keeps its free space. Without that check (the disk
+    filled by another process meanwhile), torch.save's zip writer reports the short write as a
+    RuntimeError, not ENOSPC; the message still says what happened."""
     import subprocess
 
     disk = tmp_path / "disk"
@@ -289,13 +298,21 @@ def test_a_real_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, c
         t = _trainer()
         _save(t, disk, 1, CheckpointConfig(async_save=False))
         (disk / "filler").write_bytes(b"\0" * (ckpt._free_bytes(disk) - 64 * 1024))
-        for async_save in (True, False):
+        free = ckpt._free_bytes(disk)
+        for checked, async_save in ((True, True), (True, False), (False, True), (False, False)):
+            if not checked:
+                monkeypatch.setattr(ckpt, "check_room", lambda *args: None)
+            writes = []
+            monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data",
+                                _recording(torch.distributed.checkpoint.FileSystemWriter.write_data, writes))
             caplog.clear()
             with caplog.at_level(logging.ERROR, logger="meshrl"):
                 saver = _save(t, disk, 2, CheckpointConfig(async_save=async_save))
             assert saver.failed == 1 and "checkpoint step_2 failed: no space left on device" in caplog.text
             assert str(disk / "step_2.tmp") in caplog.text
             assert ckpt.find_checkpoint(disk)[0] == 1 and not (disk / "step_2.tmp").exists()
+            assert bool(writes) != checked, (checked, writes)  # checked: failed before writing a shard
+            assert ckpt._free_bytes(disk) == free
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
