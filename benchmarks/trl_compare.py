@@ -2,6 +2,7 @@
 
     python benchmarks/trl_compare.py [--repeats 2] [--steps 20] [--out FILE.jsonl]
                                      [--meshrl-arg=--trainer.micro-batch-tokens=256 ...]
+                                     [--variant=--trainer.share-prompts=false ...]
 
 Both frameworks start from the same weights (a fresh `tiny` char-level Qwen3, 0.8M parameters,
 saved once as an HF folder with its tokenizer), see the same prompts in the same order
@@ -15,7 +16,7 @@ temperature 1, 20 on-policy optimizer steps at a constant lr 1e-4 (AdamW, gradie
 - meshrl: `meshrl rl` with its defaults (controller + trainer + native engine as one torchrun job of
   three processes), `max_off_policy_steps = 0` (on-policy), overrides only for the task above.
 
-Each run is a fresh process; runs alternate (TRL, meshrl, TRL, meshrl, ...) so that the shared
+Each run is a fresh process; runs alternate (TRL, meshrl, [each --variant,] TRL, meshrl, ...) so that the shared
 machine's load hits both alike. Printed per run (one JSON line): `rl_s` = the RL phase (TRL:
 `trainer.train()`; meshrl: the sum of its steps' `time/step_s`), `samples_per_s` = steps x 64 /
 rl_s, `wall_s` = the whole process (imports, start-up, model load), the reward of the first and last
@@ -134,6 +135,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     p.add_argument("--only", choices=["trl", "meshrl"], default=None)
     p.add_argument("--meshrl-arg", action="append", default=[], help="an extra `meshrl rl` flag (repeatable)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="one more meshrl run per repeat, with these space-separated extra flags (repeatable), "
+                        "e.g. --variant=--trainer.share-prompts=false")
     p.add_argument("--child", choices=["trl", "meshrl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--start", default=None, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
@@ -146,14 +150,16 @@ def main() -> None:
     if not (start / "config.json").is_file():
         make_start(start)
     frameworks = [opts.only] if opts.only else ["trl", "meshrl"]
+    frameworks += [f"meshrl {v}" for v in opts.variant]
     results: dict[str, list[dict]] = {f: [] for f in frameworks}
     for r in range(opts.repeats):
         for fw in frameworks:
-            run_dir = root / f"{fw}-{r}-{int(time.time())}"
-            cmd = [sys.executable, __file__, "--child", fw, "--start", str(start), "--run-dir", str(run_dir),
+            child, *flags = fw.split()
+            run_dir = root / f"{child}-{r}-{int(time.time())}"
+            cmd = [sys.executable, __file__, "--child", child, "--start", str(start), "--run-dir", str(run_dir),
                    "--steps", str(opts.steps), "--prompts", str(opts.prompts), "--samples", str(opts.samples),
                    "--max-tokens", str(opts.max_tokens), "--lr", str(opts.lr),
-                   *[f"--meshrl-arg={a}" for a in opts.meshrl_arg]]
+                   *[f"--meshrl-arg={a}" for a in opts.meshrl_arg + flags]]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
             if proc.returncode != 0:
@@ -164,7 +170,7 @@ def main() -> None:
             results[fw].append(row)
             _emit(row, opts.out)
     summary = {f"{fw}_rl_s_median": statistics.median(x["rl_s"] for x in rows) for fw, rows in results.items()}
-    if len(results) == 2:
+    if "trl" in results and "meshrl" in results:
         summary["meshrl_samples_per_s_over_trl"] = summary["trl_rl_s_median"] / summary["meshrl_rl_s_median"]
     summary["load_average"] = os.getloadavg()[0]
     _emit({k: round(v, 3) for k, v in summary.items()}, opts.out)

@@ -272,16 +272,11 @@ class TrainerConfig(Base):
     """RL: pack the samples of one prompt (same token ids; a GRPO group) on one copy of it, each completion
     attending the shared prompt and itself (runtime/train/packing.py): the logprobs, loss and gradients of
     the unshared packing from fewer tokens. Every attention backend takes it; context parallelism
-    (parallel.cp > 1) does not, and packs unshared rows."""
+    (parallel.cp > 1) and linear-attention models do not, and pack unshared rows (said once in the log)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
     moe_aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of the MoE load-balancing loss (its value is logged as moe/aux_loss either way)."""
-
-    @property
-    def packs_shared_prompts(self) -> bool:
-        """share_prompts where it applies (no context parallelism)."""
-        return self.share_prompts and self.parallel.cp == 1
 
     @model_validator(mode="after")
     def _sequence_loss_fits(self) -> "TrainerConfig":

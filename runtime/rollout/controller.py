@@ -59,6 +59,7 @@ from meshrl.runtime.rollout.episodes import EnvEvent, EpisodeDriver, EpisodeResu
 from meshrl.runtime.rollout.disagg import DisaggRouter
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
+from meshrl.runtime.train import shared_prompt
 from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, TrainingWatch, log, note_activity
 from meshrl.runtime.protocol import HEARTBEAT_S, Kind
@@ -172,9 +173,10 @@ class Controller:
         self.run_dir = run_dir
         self.metrics = metrics if metrics is not None else MetricsWriter(run_dir)
         self.clock = Clock()
-        if cfg.trainer.share_prompts and not cfg.trainer.packs_shared_prompts:
-            log.info("trainer.share_prompts: context parallelism (trainer.parallel.cp = %d) splits rows, so every "
-                     "sample is packed with its own copy of its prompt", cfg.trainer.parallel.cp)
+        self.share_prompts = cfg.trainer.share_prompts
+        if self.share_prompts and (why := shared_prompt.unsupported(cfg.model, cfg.trainer)):
+            log.info("trainer.share_prompts: off for this run, %s; every sample is packed with its own prompt", why)
+            self.share_prompts = False
         self.cursor = 0
         self._cursor_at: dict[int, int] = {}  # step -> cursor before its prompts (for checkpoints)
         self._previous_done_at = 0.0  # when the last step built had all its rollouts (tokens/rollout_per_s)
@@ -366,7 +368,7 @@ class Controller:
         # one stream of micro-batches per data rank; the cp ranks of a data rank share it
         dims = self.cfg.trainer.parallel.dims(len(ranks))
         batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
-                       pad_id=self.tokenizer.pad_token_id or 0, share_prompts=self.cfg.trainer.packs_shared_prompts)
+                       pad_id=self.tokenizer.pad_token_id or 0, share_prompts=self.share_prompts)
         unshared = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
         packed = sum(int(mb["loss_mask"].shape[1]) for r in batches for mb in r if int(mb["sample_ids"].max()) >= 0)
         stats["tokens/prompt_shared_fraction"] = 1.0 - packed / max(unshared, 1)

@@ -21,7 +21,10 @@ would. Backends (the trainer's `trainer.attention`, resolved):
   is aligned bottom-right (flash-attn's documented convention; tests/gpu checks it against "sdpa").
 - "flex": FlexAttention with a block mask built from the rule (create_block_mask).
 
-Context parallelism does not take these rows: the controller packs unshared rows when cp > 1.
+Context parallelism and linear-attention layers (their recurrences restart at every document, and a
+branch's would have to continue its prompt's) do not take these rows: the controller then packs
+unshared rows (`unsupported`). The context does not expose `doc_ids`, so a linear-attention layer
+handed one anyway refuses it (models/common/linear_attention.py) instead of restarting at branches.
 """
 
 from __future__ import annotations
@@ -34,6 +37,29 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from meshrl.models.common.attention import attention_with_sinks, document_cu_seqlens, selected
+from meshrl.runtime.config import ModelConfig, TrainerConfig
+
+
+def unsupported(model: ModelConfig, trainer: TrainerConfig) -> str | None:
+    """Why this run cannot train shared-prompt rows (None: it can)."""
+    if trainer.parallel.cp > 1:
+        return f"context parallelism (trainer.parallel.cp = {trainer.parallel.cp}) splits rows over ranks"
+    if model.path is not None:
+        from pathlib import Path
+
+        from meshrl.models.generic_hf import resolve_impl
+        from meshrl.models.hf import read_hf_config
+
+        config = read_hf_config(Path(model.path))
+        model_type, impl = config.get("model_type"), resolve_impl(config.get("model_type"), model.impl, config)
+    else:
+        model_type, impl = model.family, "native"
+    if impl == "native":
+        from meshrl.models import get_family
+
+        if get_family(model_type).parallel_plan.get("no_cp"):
+            return f"model_type {model_type!r} has linear-attention layers (a branch cannot restart its recurrence)"
+    return None
 
 
 def is_shared(mb: Any) -> bool:
@@ -65,7 +91,8 @@ class SharedPromptAttention:
             raise ValueError(f"shared-prompt rows are single packed rows, doc_ids (1, T); got {tuple(doc_ids.shape)}")
         if backend not in ("split", "sdpa", "varlen", "flash_attn", "flex"):
             raise ValueError(f"attention backend {backend!r} has no shared-prompt path")
-        self.doc_ids, self.prompt_doc, self.positions, self.backend = doc_ids, prompt_doc, positions, backend
+        # not `doc_ids`: linear-attention layers read that to restart their recurrences per document
+        self.row_doc_ids, self.prompt_doc, self.positions, self.backend = doc_ids, prompt_doc, positions, backend
         cu, _ = document_cu_seqlens(doc_ids)
         cu = cu.tolist()
         self.bounds = list(zip(cu[:-1], cu[1:]))  # [(start, end)] per document
@@ -81,14 +108,14 @@ class SharedPromptAttention:
     def mask(self, device: torch.device, window: int | None = None) -> Tensor:
         """(1, 1, T, T) bool of the rule, cached per window."""
         if window not in self._masks:
-            self._masks[window] = shared_prompt_mask(self.doc_ids.to(device), self.prompt_doc.to(device),
+            self._masks[window] = shared_prompt_mask(self.row_doc_ids.to(device), self.prompt_doc.to(device),
                                                      self.positions.to(device), window)[:, None]
         return self._masks[window]
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
                sinks: Tensor | None = None, index: tuple | None = None, keep: Tensor | None = None) -> Tensor:
         B, num_q_heads, T, _ = q.shape
-        assert self.doc_ids.shape == (B, T), f"doc_ids {tuple(self.doc_ids.shape)} vs q {tuple(q.shape)}"
+        assert self.row_doc_ids.shape == (B, T), f"doc_ids {tuple(self.row_doc_ids.shape)} vs q {tuple(q.shape)}"
         special = window is not None or sinks is not None or index is not None or keep is not None
         if special and self.backend not in ("split", "sdpa"):
             raise ValueError(f"the {self.backend!r} attention backend has no sliding windows, attention sinks or "
@@ -174,7 +201,7 @@ class SharedPromptAttention:
         from meshrl.models.common.attention import _compiled_flex_attention
 
         if self._block_mask is None:
-            doc, pd = self.doc_ids[0].to(q.device), self.prompt_doc[0].to(q.device)
+            doc, pd = self.row_doc_ids[0].to(q.device), self.prompt_doc[0].to(q.device)
 
             def rule(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return ((kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])) | (pd[q_idx] - 1 == doc[kv_idx])

@@ -13,6 +13,10 @@ The RL loss of each micro-batch is `policy_loss`: the `trainer.loss.type` entry 
 losses.POLICY_LOSSES, its policy-gradient terms weighted by the `trainer.loss.correction` factors
 (losses.correction_weights; docs/algorithms.md).
 
+A row that shares prompts (runtime/train/packing.py, `trainer.share_prompts`) gets a
+`SharedPromptAttention` context (runtime/train/shared_prompt.py) for the resolved backend; the loss
+sees the same loss tokens as unshared packing.
+
 Logprobs come from a chunked LM head (runtime/train/logprob_head.py) that runs inside the model's
 forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 """

@@ -218,3 +218,20 @@ def test_shared_prompt_backends_on_cuda(backend):
     ref = grads("sdpa", torch.float32)
     for got, want in zip(grads(backend, torch.bfloat16), ref):
         assert (got - want).norm() / want.norm() < 2e-2
+
+
+def test_unsupported_runs_pack_unshared():
+    """Context parallelism and linear-attention families get unshared rows (the controller asks this);
+    a linear-attention layer handed a shared row anyway refuses it instead of restarting at branches."""
+    from meshrl.models.common.linear_attention import document_starts
+    from meshrl.runtime.config import ModelConfig, ParallelConfig, TrainerConfig
+
+    plain = ModelConfig(flavor="tiny", tokenizer="char")
+    assert shared_prompt.unsupported(plain, TrainerConfig()) is None
+    assert "cp = 2" in shared_prompt.unsupported(plain, TrainerConfig(parallel=ParallelConfig(cp=2)))
+    hybrid = ModelConfig(flavor="debug", family="qwen3_next", tokenizer="char")
+    assert "linear-attention" in shared_prompt.unsupported(hybrid, TrainerConfig())
+    (row, *_), = pack(make_samples(), 512, 1, share_prompts=True)
+    attn = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "split")
+    with pytest.raises(ValueError, match="no doc_ids"):
+        document_starts(attn, 1, row["input_ids"].shape[1], torch.device("cpu"))
