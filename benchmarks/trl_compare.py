@@ -21,7 +21,8 @@ machine's load hits both alike. Printed per run (one JSON line): `rl_s` = the RL
 `trainer.train()`; meshrl: the sum of its steps' `time/step_s`), `samples_per_s` = steps x 64 /
 rl_s, `wall_s` = the whole process (imports, start-up, model load), the reward of the first and last
 steps, and for meshrl the trainer's seconds (`train_s`) and the mean fraction of the unshared
-packing's tokens that shared-prompt packing saved (`prompt_shared_fraction`). Then a summary line: the median rl_s of each framework and meshrl's samples/s over TRL's.
+packing's tokens that shared-prompt packing saved (`prompt_shared_fraction`). Then a summary line:
+the median rl_s of each framework and meshrl's samples/s over TRL's.
 Nothing is asserted; docs/benchmarks.md records runs.
 """
 

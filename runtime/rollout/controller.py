@@ -60,7 +60,7 @@ from meshrl.runtime.rollout.disagg import DisaggRouter
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.train import shared_prompt
-from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack, shared_fraction
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, TrainingWatch, log, note_activity
 from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.transport import Message
@@ -173,10 +173,7 @@ class Controller:
         self.run_dir = run_dir
         self.metrics = metrics if metrics is not None else MetricsWriter(run_dir)
         self.clock = Clock()
-        self.share_prompts = cfg.trainer.share_prompts
-        if self.share_prompts and (why := shared_prompt.unsupported(cfg.model, cfg.trainer)):
-            log.info("trainer.share_prompts: off for this run, %s; every sample is packed with its own prompt", why)
-            self.share_prompts = False
+        self.share_prompts = shared_prompt.enabled(cfg.model, cfg.trainer)
         self.cursor = 0
         self._cursor_at: dict[int, int] = {}  # step -> cursor before its prompts (for checkpoints)
         self._previous_done_at = 0.0  # when the last step built had all its rollouts (tokens/rollout_per_s)
@@ -369,9 +366,7 @@ class Controller:
         dims = self.cfg.trainer.parallel.dims(len(ranks))
         batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
                        pad_id=self.tokenizer.pad_token_id or 0, share_prompts=self.share_prompts)
-        unshared = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-        packed = sum(int(mb["loss_mask"].shape[1]) for r in batches for mb in r if int(mb["sample_ids"].max()) >= 0)
-        stats["tokens/prompt_shared_fraction"] = 1.0 - packed / max(unshared, 1)
+        stats["tokens/prompt_shared_fraction"] = shared_fraction(samples, batches)
         num_loss_tokens = self._loss_normaliser(samples, batches)
         for index, rank in enumerate(ranks):
             msg = protocol.train(step, num_loss_tokens, batches[dims.data_rank(index)])

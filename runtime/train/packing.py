@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-__all__ = ["Sample", "pack", "pack_sft", "count_loss_tokens"]
+__all__ = ["Sample", "pack", "pack_sft", "count_loss_tokens", "shared_fraction"]
 
 
 @dataclass
@@ -116,6 +116,14 @@ def pack_sft(
 def count_loss_tokens(batches: Sequence[Sequence[TensorDict]]) -> int:
     """Loss tokens over all ranks and micro-batches (the ``num_loss_tokens`` of the losses)."""
     return sum(int(mb["loss_mask"].sum()) for rank_batches in batches for mb in rank_batches)
+
+
+def shared_fraction(samples: Sequence[Sample], batches: Sequence[Sequence[TensorDict]]) -> float:
+    """The fraction of the unshared packing's tokens (prompt + completion per sample) that `batches`
+    does without (0 for unshared packing; padding micro-batches do not count)."""
+    unshared = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    packed = sum(int(mb["input_ids"].shape[1]) for r in batches for mb in r if int(mb["sample_ids"].max()) >= 0)
+    return 1.0 - packed / max(unshared, 1)
 
 
 def _document_length(index: int, sample: Sample, seq_len: int) -> int:

@@ -62,6 +62,16 @@ def unsupported(model: ModelConfig, trainer: TrainerConfig) -> str | None:
     return None
 
 
+def enabled(model: ModelConfig, trainer: TrainerConfig) -> bool:
+    """`trainer.share_prompts` where this run supports it; where not, one log line says why."""
+    why = unsupported(model, trainer) if trainer.share_prompts else None
+    if why:
+        from meshrl.runtime.rundir import log
+
+        log.info("trainer.share_prompts: off for this run, %s; every sample is packed with its own prompt", why)
+    return trainer.share_prompts and why is None
+
+
 def is_shared(mb: Any) -> bool:
     """True when a packed row (TensorDict) has a branch of a shared prompt."""
     return "prompt_doc" in mb.keys() and bool((mb["prompt_doc"] > 0).any())
@@ -71,13 +81,13 @@ def shared_prompt_mask(doc_ids: Tensor, prompt_doc: Tensor, positions: Tensor, w
     """(B, T, T) bool, the module docstring's rule; `window`: also pos[i] - pos[j] < window."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    allowed = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal) | (prompt_doc[:, :, None] - 1 == doc_ids[:, None, :])
+    same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+    allowed = same_doc | (prompt_doc[:, :, None] - 1 == doc_ids[:, None, :])
     if window is not None:
         allowed &= positions[:, :, None] - positions[:, None, :] < window
     return allowed
 
 
-@functools.cache
 def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Tensor:
     """(q_len, kv_len) bool: query r attends keys <= kv_len - q_len + r (the queries are the last keys)."""
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
@@ -102,6 +112,7 @@ class SharedPromptAttention:
         for d, p in enumerate(firsts):
             assert p == 0 or (p - 1 < d and firsts[p - 1] == 0), f"document {d}: bad prompt document {p - 1}"
         self._masks: dict[int | None, Tensor] = {}
+        self._branch_masks: dict[tuple[int, int], Tensor] = {}  # (queries, keys) -> bottom-right causal mask
         self._gather: tuple | None = None
         self._block_mask: Any = None
 
@@ -126,6 +137,8 @@ class SharedPromptAttention:
             return self._split(q, k, v)
         if self.backend == "flex":
             return self._flex(q, k, v)
+        if not _varlen_aligns(self.backend, q.device, q.dtype):
+            return self._split(q, k, v)
         return self._varlen(q, k, v)
 
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None,
@@ -151,7 +164,10 @@ class SharedPromptAttention:
                 outs.append(F.scaled_dot_product_attention(qs[d], ks[d], vs[d], is_causal=True, enable_gqa=gqa))
                 continue
             kd, vd = torch.cat([ks[p], ks[d]], dim=2), torch.cat([vs[p], vs[d]], dim=2)
-            mask = _lower_right(sizes[d], kd.shape[2], q.device)
+            shape = (sizes[d], kd.shape[2])
+            if shape not in self._branch_masks:  # built once per forward, reused by every layer
+                self._branch_masks[shape] = _lower_right(*shape, q.device)
+            mask = self._branch_masks[shape]
             outs.append(F.scaled_dot_product_attention(qs[d], kd, vd, attn_mask=mask, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
@@ -209,3 +225,25 @@ class SharedPromptAttention:
             T = doc.shape[0]
             self._block_mask = create_block_mask(rule, 1, None, T, T, device=q.device)
         return _compiled_flex_attention()(q, k, v, block_mask=self._block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _varlen_aligns(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per process and kernel: does the varlen path on this device give the dense rule on a small
+    shared row (i.e. does the kernel align its causal mask bottom-right when queries are fewer than
+    keys)? If not, shared rows use "split" there, said once in the log."""
+    from meshrl.runtime.rundir import log
+
+    doc = torch.tensor([[0] * 5 + [1] * 3 + [2] * 4 + [3] * 2], device=device)
+    prompt_doc = torch.tensor([[0] * 5 + [1] * 7 + [0] * 2], device=device)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 0, 1]], device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 4, 14, 64, generator=gen, device=device)
+    k, v = (torch.randn(1, 2, 14, 64, generator=gen, device=device) for _ in range(2))
+    got = SharedPromptAttention(doc, prompt_doc, positions, backend)._varlen(q.to(dtype), k.to(dtype), v.to(dtype))
+    want = SharedPromptAttention(doc, prompt_doc, positions, "sdpa")._dense(q, k, v, None, None, None, None)
+    ok = bool(((got.float() - want).norm() / want.norm()) < 2e-2)
+    if not ok:
+        log.warning("shared-prompt rows: the %s kernel on %s does not give the shared-prompt attention (causal mask "
+                    "not aligned bottom-right?); using per-document SDPA ('split') for them", backend, device)
+    return ok

@@ -12,7 +12,7 @@ import torch
 from meshrl.models.qwen3 import FLAVORS, Qwen3
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.train import shared_prompt
-from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack
+from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack, shared_fraction
 from meshrl.runtime.train.shared_prompt import SharedPromptAttention, shared_prompt_mask
 from meshrl.runtime.train.trainer import Trainer, policy_loss
 from tests.family_checks import build_init
@@ -87,6 +87,11 @@ def test_shared_packing_equals_unshared(attention, loss):
     shared = pack(samples, 64, 1, share_prompts=True)
     assert any(shared_prompt.is_shared(mb) for mb in shared[0])
     assert count_loss_tokens(shared) == count_loss_tokens(pack(samples, 64, 1))
+    assert shared_fraction(samples, pack(samples, 64, 1)) == 0.0
+    unshared_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    shared_tokens = sum(mb["input_ids"].shape[1] for mb in shared[0] if mb["sample_ids"].max() >= 0)
+    assert shared_fraction(samples, shared) == pytest.approx(1 - shared_tokens / unshared_tokens)
+    assert shared_fraction(samples, shared) > 0.2
     got = run(trainer, shared, loss)
     assert got[0].keys() == ref[0].keys()
     assert max(abs(got[0][k] - ref[0][k]) for k in ref[0]) < TOL
@@ -184,6 +189,9 @@ def test_varlen_gather_layout(monkeypatch):
 
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: kernel)
     monkeypatch.setattr(attention, "_torch_varlen_params", lambda: frozenset({"window_size", "enable_gqa"}))
+    shared_prompt._varlen_aligns.cache_clear()
+    assert shared_prompt._varlen_aligns("varlen", torch.device("cpu"), torch.float16)  # the probe passes
+    shared_prompt._varlen_aligns.cache_clear()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, T, 8, generator=gen, dtype=torch.float16)
     k, v = (torch.randn(1, 2, T, 8, generator=gen, dtype=torch.float16) for _ in range(2))
@@ -191,6 +199,7 @@ def test_varlen_gather_layout(monkeypatch):
     ref = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "sdpa").attend(
         0, q.double(), k.double(), v.double())
     assert (got.double() - ref).abs().max() < 1e-2
+    shared_prompt._varlen_aligns.cache_clear()
 
 
 @pytest.mark.gpu
@@ -215,6 +224,8 @@ def test_shared_prompt_backends_on_cuda(backend):
         out.backward(upstream.to(dtype))
         return [t.float() for t in (out, q.grad, k.grad, v.grad)]
 
+    if backend == "varlen":  # else shared rows would quietly take the split path
+        assert shared_prompt._varlen_aligns("varlen", torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     ref = grads("sdpa", torch.float32)
     for got, want in zip(grads(backend, torch.bfloat16), ref):
         assert (got - want).norm() / want.norm() < 2e-2
@@ -231,7 +242,39 @@ def test_unsupported_runs_pack_unshared():
     assert "cp = 2" in shared_prompt.unsupported(plain, TrainerConfig(parallel=ParallelConfig(cp=2)))
     hybrid = ModelConfig(flavor="debug", family="qwen3_next", tokenizer="char")
     assert "linear-attention" in shared_prompt.unsupported(hybrid, TrainerConfig())
+    assert shared_prompt.enabled(plain, TrainerConfig()) and not shared_prompt.enabled(hybrid, TrainerConfig())
+    assert not shared_prompt.enabled(plain, TrainerConfig(share_prompts=False))
     (row, *_), = pack(make_samples(), 512, 1, share_prompts=True)
     attn = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "split")
     with pytest.raises(ValueError, match="no doc_ids"):
         document_starts(attn, 1, row["input_ids"].shape[1], torch.device("cpu"))
+
+
+def test_varlen_probe_falls_back_to_split_when_the_kernel_aligns_top_left(monkeypatch):
+    """A varlen kernel whose causal mask is aligned top-left (queries fewer than keys) would give
+    wrong branches; the once-per-process probe catches it and shared rows go through 'split'."""
+    from meshrl.models.common import attention
+
+    def top_left(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        outs = []
+        for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
+            mask = torch.ones(b - a, d - c, dtype=torch.bool).tril()
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                                         enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: top_left)
+    monkeypatch.setattr(attention, "_torch_varlen_params", lambda: frozenset({"window_size", "enable_gqa"}))
+    shared_prompt._varlen_aligns.cache_clear()
+    try:
+        assert not shared_prompt._varlen_aligns("varlen", torch.device("cpu"), torch.float16)
+        (row, *_), = pack(make_samples(), 512, 1, share_prompts=True)
+        T = row["input_ids"].shape[1]
+        q, k, v = (torch.randn(1, h, T, 8, dtype=torch.float16) for h in (4, 2, 2))
+        got = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "varlen").attend(0, q, k, v)
+        ref = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "sdpa").attend(
+            0, q.double(), k.double(), v.double())
+        assert (got.double() - ref).abs().max() < 1e-2
+    finally:
+        shared_prompt._varlen_aligns.cache_clear()
