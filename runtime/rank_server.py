@@ -7,8 +7,9 @@ starts its workers: the libuv loops of the rendezvous TCPStores, the rendezvous 
 and the agent's own watch of its ranks (launch.RankExits). Ranks forked from the agent directly
 could therefore hang (one did: a rank of a 6-rank job stuck in a futex before init_process_group).
 
-So the agent forks this server first, at its start, while it is still one thread (the launcher
-that forked the agent is checked to be one thread too), and never lets a thread into it. The
+So the agent forks this server first, at its start, while it is still one thread (`install`
+checks; the launcher forks the agent only while it runs no other Python thread), and never lets a
+thread into it. The
 server has every module the ranks need imported already (the launcher imported the rank program's
 PRELOAD before forking the agent), and forks the ranks: each starts in milliseconds, from a
 process whose state no other thread can have left half-changed.
