@@ -432,7 +432,8 @@ def _quantize(model: nn.Module, device: torch.device, quantization: str, kv_cach
         raise ValueError("quantization='fp8' is not supported with tensor parallelism yet (inference.tensor_parallel > 1)")
     if quantization == "fp8":
         fp8.quantize_model(model, device)
-    packed_projections.pack(model)  # the bf16 linears' q/k/v and gate/up as one matmul each
+    if packed_projections.enabled(device):
+        packed_projections.pack(model)  # the plain linears' q/k/v and gate/up as one matmul each
     return kv_cache_dtype == "fp8"
 
 

@@ -49,7 +49,18 @@ def test_a_trainable_model_never_takes_the_packed_path():
     assert model.layers["1"].feed_forward.w3.weight.grad is not None
 
 
-def test_engine_packs_and_decodes_as_the_unpacked_model():
+def test_packing_is_on_for_cuda_and_off_for_cpu_unless_forced(monkeypatch):
+    monkeypatch.delenv("MESHRL_PACKED_PROJECTIONS", raising=False)
+    assert packed_projections.enabled(torch.device("cuda")) and not packed_projections.enabled(torch.device("cpu"))
+    assert "qkv" not in make_engine(tiny_model()).model.layers["0"].attention.packed
+    monkeypatch.setenv("MESHRL_PACKED_PROJECTIONS", "0")
+    assert not packed_projections.enabled(torch.device("cuda"))
+    monkeypatch.setenv("MESHRL_PACKED_PROJECTIONS", "1")
+    assert packed_projections.enabled(torch.device("cpu"))
+
+
+def test_engine_packs_and_decodes_as_the_unpacked_model(monkeypatch):
+    monkeypatch.setenv("MESHRL_PACKED_PROJECTIONS", "1")  # the CUDA engine's path, on the CPU
     prompts = random_prompts([5, 11, 3])
     engine = make_engine(tiny_model(), max_num_seqs=3)
     assert "qkv" in engine.model.layers["1"].attention.packed
@@ -64,9 +75,10 @@ def test_engine_packs_and_decodes_as_the_unpacked_model():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 
 
-def test_colocated_flat_buffer_is_rebound():
+def test_colocated_flat_buffer_is_rebound(monkeypatch):
     """The colocated receiver makes every parameter a view of one flat buffer: q/k/v and w1/w3 are
     consecutive parameters there, so they stay packed, now over the flat buffer."""
+    monkeypatch.setenv("MESHRL_PACKED_PROJECTIONS", "1")
     engine = make_engine(tiny_model())
     receiver = ColocatedReceiver(engine.model, torch.float32, torch.device("cpu"), peer=0, to_peer=None,
                                  from_peer=None)
