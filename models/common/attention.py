@@ -339,8 +339,11 @@ def _torch_varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen_attn()).parameters)
 
 
-def _torch_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int) -> Tensor:
-    """q (N, Hq, D), k, v (N, Hkv, D) -> (N, Hq, D) causal within each document.
+def _torch_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int,
+                         cu_k: Tensor | None = None, max_k: int | None = None) -> Tensor:
+    """q (N, Hq, D), k, v (N, Hkv, D) -> (N, Hq, D) causal within each document. With `cu_k` /
+    `max_k` the documents' keys have their own lengths (runtime/train/shared_prompt.py's branches)
+    and the causal mask is aligned bottom-right, the kernels' convention.
 
     The signature moved between releases: 2.10 takes `is_causal`, 2.11 a `window_size`
     ((-1, 0) is causal), 2.12 adds `enable_gqa`; without it k, v are repeated to Hq heads.
@@ -353,14 +356,18 @@ def _torch_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
         else:
             n_rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return _torch_varlen_attn()(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    cu_k, max_k = (cu_seqlens, max_len) if cu_k is None else (cu_k, max_k)
+    return _torch_varlen_attn()(q, k, v, cu_seqlens, cu_k, max_len, max_k, **kwargs)
 
 
-def _flash_attn_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int) -> Tensor:
-    """The flash-attn package's varlen kernel (GQA native); imported only when used."""
+def _flash_attn_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int,
+                              cu_k: Tensor | None = None, max_k: int | None = None) -> Tensor:
+    """The flash-attn package's varlen kernel (GQA native); imported only when used. `cu_k` /
+    `max_k` as in `_torch_varlen_causal`."""
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
+    cu_k, max_k = (cu_seqlens, max_len) if cu_k is None else (cu_k, max_k)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_len, max_k, causal=True)
 
 
 class VarlenDocumentAttention:

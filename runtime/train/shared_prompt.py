@@ -193,23 +193,10 @@ class SharedPromptAttention:
         index, cu_q, cu_k, max_q, max_k = self.gather_index(q.device)
         q_, k_, v_ = (x[0].transpose(0, 1) for x in (q, k, v))  # (T, H, D)
         q_, k_, v_ = q_.contiguous(), k_.index_select(0, index), v_.index_select(0, index)
-        if self.backend == "flash_attn":
-            from flash_attn import flash_attn_varlen_func
+        from meshrl.models.common import attention
 
-            out = flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, max_q, max_k, causal=True)
-        else:
-            from meshrl.models.common.attention import _torch_varlen_attn, _torch_varlen_params
-
-            params = _torch_varlen_params()
-            kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-            if q_.shape[1] != k_.shape[1]:
-                if "enable_gqa" in params:
-                    kwargs["enable_gqa"] = True
-                else:
-                    n_rep = q_.shape[1] // k_.shape[1]
-                    k_, v_ = k_.repeat_interleave(n_rep, dim=1), v_.repeat_interleave(n_rep, dim=1)
-            out = _torch_varlen_attn()(q_, k_, v_, cu_q, cu_k, max_q, max_k, **kwargs)
-        return out.transpose(0, 1).unsqueeze(0)
+        varlen = attention._flash_attn_varlen_causal if self.backend == "flash_attn" else attention._torch_varlen_causal
+        return varlen(q_, k_, v_, cu_q, max_q, cu_k, max_k).transpose(0, 1).unsqueeze(0)
 
     def _flex(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from torch.nn.attention.flex_attention import create_block_mask

@@ -169,6 +169,20 @@ def test_split_windows_and_sinks_use_the_position_mask():
     assert ref_row is not None
 
 
+def _reference_varlen(bottom_right: bool):
+    """A varlen attention kernel in torch: per document, SDPA of its queries over its keys with a
+    causal mask aligned bottom-right (the flash kernels' convention) or top-left."""
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        outs = []
+        for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
+            mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(d - c - (b - a) if bottom_right else 0)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                                         enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(outs)
+    return kernel
+
+
 def test_varlen_gather_layout(monkeypatch):
     """The varlen path's gathered keys and cu_seqlens, through a reference bottom-right causal kernel
     (the flash kernels' convention), equal the dense rule (the real kernels are checked on CUDA)."""
@@ -176,15 +190,7 @@ def test_varlen_gather_layout(monkeypatch):
     (row, *_), = pack(samples, 512, 1, share_prompts=True)
     T = row["input_ids"].shape[1]
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-        outs = []
-        for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-            qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
-            mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(d - c - (b - a))
-            outs.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                                         enable_gqa=True)[0].transpose(0, 1))
-        return torch.cat(outs)
-
+    kernel = _reference_varlen(bottom_right=True)
     from meshrl.models.common import attention
 
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: kernel)
@@ -255,15 +261,7 @@ def test_varlen_probe_falls_back_to_split_when_the_kernel_aligns_top_left(monkey
     wrong branches; the once-per-process probe catches it and shared rows go through 'split'."""
     from meshrl.models.common import attention
 
-    def top_left(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-        outs = []
-        for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-            qd, kd, vd = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
-            mask = torch.ones(b - a, d - c, dtype=torch.bool).tril()
-            outs.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                                         enable_gqa=True)[0].transpose(0, 1))
-        return torch.cat(outs)
-
+    top_left = _reference_varlen(bottom_right=False)
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: top_left)
     monkeypatch.setattr(attention, "_torch_varlen_params", lambda: frozenset({"window_size", "enable_gqa"}))
     shared_prompt._varlen_aligns.cache_clear()
