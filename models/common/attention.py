@@ -209,12 +209,46 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("sdpa", "flex", "varlen", "flash_attn", "
 def _compiled_flex_attention() -> Any:
     """flex_attention compiled once per process (eager flex materialises the full score matrix).
 
-    Lazy, so importing this module never starts a compile; torch.compile then recompiles with
-    dynamic shapes once a second row length shows up, instead of once per length.
+    Lazy, so importing this module never starts a compile. Static shapes: on torch 2.11 (H200) the
+    dynamic-shape recompile that a second row length triggers fails in inductor ("No choices to
+    select" for the flex template), so callers pad rows to `flex_length` buckets instead and each
+    bucket compiles once (8 buckets cover 1k-128k tokens, within dynamo's recompile limit).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+_FLEX_MIN_LENGTH = 1024
+
+
+def flex_length(T: int) -> int:
+    """The length a row of T tokens runs at in compiled flex: the next power of two, at least 1024.
+    The padding is a document of its own, so its cost is the few diagonal blocks flex computes."""
+    return max(_FLEX_MIN_LENGTH, 1 << (T - 1).bit_length())
+
+
+def pad_doc_ids(doc_ids: Tensor, length: int) -> Tensor:
+    """doc_ids (B, T) -> (B, length), the padding one more document per row (id max + 1)."""
+    B, T = doc_ids.shape
+    if length == T:
+        return doc_ids
+    fill = doc_ids.amax(dim=1, keepdim=True) + 1
+    return torch.cat([doc_ids, fill.expand(B, length - T)], dim=1)
+
+
+def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, compile: bool = True) -> Tensor:
+    """flex_attention over q (B, Hq, T, D), k/v (B, Hkv, T, D) with a block mask built for a row of
+    `block_mask.seq_lengths` >= T (a `flex_length` bucket): q/k/v are zero-padded to it and the
+    output cut back to T."""
+    if compile:
+        flex = _compiled_flex_attention()
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    T, length = q.shape[2], block_mask.seq_lengths[0]
+    if length != T:
+        q, k, v = (F.pad(x, (0, 0, 0, length - T)) for x in (q, k, v))
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])[:, :, :T]
 
 
 class FlexDocumentAttention:
@@ -222,8 +256,9 @@ class FlexDocumentAttention:
 
     doc_ids (B, T) as for `DocumentCausalAttention`. The block mask (causal & same document) is
     built on the first `attend` call and reused by every layer; flex skips the key/value tiles
-    it marks empty, which is most of a row of many short documents. `compile=False` runs flex
-    eagerly (unfused, dense scores: for tests); torch has no flex backward on CPU.
+    it marks empty, which is most of a row of many short documents. Compiled, rows run padded to a
+    `flex_length` bucket (one compile per bucket); `compile=False` runs flex eagerly at the row's
+    own length (unfused, dense scores: for tests); torch has no flex backward on CPU.
     """
 
     def __init__(self, doc_ids: Tensor, compile: bool = True) -> None:
@@ -235,7 +270,10 @@ class FlexDocumentAttention:
     def block_mask(self, device: torch.device) -> Any:
         """The BlockMask of (kv <= q) & same document, for all heads (H broadcast)."""
         if self._block_mask is None:
-            self._block_mask = document_block_mask(self.doc_ids.to(device))
+            doc_ids = self.doc_ids.to(device)
+            if self.compile:
+                doc_ids = pad_doc_ids(doc_ids, flex_length(doc_ids.shape[1]))
+            self._block_mask = document_block_mask(doc_ids)
         return self._block_mask
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
@@ -245,11 +283,7 @@ class FlexDocumentAttention:
         if window is not None or sinks is not None or index is not None or keep is not None:
             raise ValueError("the 'flex' attention backend has no sliding windows, attention sinks or sparse "
                              "selection yet (gpt-oss, GLM-5); use trainer.attention = 'sdpa'")
-        if self.compile:
-            flex = _compiled_flex_attention()
-        else:
-            from torch.nn.attention.flex_attention import flex_attention as flex
-        return flex(q, k, v, block_mask=self.block_mask(q.device), enable_gqa=num_q_heads != k.shape[1])
+        return run_flex(q, k, v, self.block_mask(q.device), self.compile)
 
 
 _FLEX_BLOCK = 128  # flex_attention's default sparse block size

@@ -201,17 +201,19 @@ class SharedPromptAttention:
     def _flex(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from meshrl.models.common.attention import _compiled_flex_attention
+        from meshrl.models.common.attention import flex_length, pad_doc_ids, run_flex
 
         if self._block_mask is None:
-            doc, pd = self.row_doc_ids[0].to(q.device), self.prompt_doc[0].to(q.device)
+            # Padded to the compiled kernel's bucket: the padding is one more document, with no prompt.
+            L = flex_length(q.shape[2])
+            doc = pad_doc_ids(self.row_doc_ids.to(q.device), L)[0]
+            pd = torch.nn.functional.pad(self.prompt_doc[0].to(q.device), (0, L - q.shape[2]))
 
             def rule(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return ((kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])) | (pd[q_idx] - 1 == doc[kv_idx])
 
-            T = doc.shape[0]
-            self._block_mask = create_block_mask(rule, 1, None, T, T, device=q.device)
-        return _compiled_flex_attention()(q, k, v, block_mask=self._block_mask, enable_gqa=q.shape[1] != k.shape[1])
+            self._block_mask = create_block_mask(rule, 1, None, L, L, device=q.device)
+        return run_flex(q, k, v, self._block_mask)
 
 
 @functools.cache

@@ -110,6 +110,24 @@ def test_flex_eager_forward_matches_sdpa_on_cpu():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_padded_to_its_bucket_matches_sdpa_on_cpu():
+    """The compiled path's layout: rows padded to a `flex_length` bucket (the padding one more
+    document), the mask built at that length, the output cut back to the row."""
+    from meshrl.models.common.attention import flex_length, pad_doc_ids, run_flex
+
+    doc_ids = flex_doc_ids()
+    assert flex_length(300) == 1024 and flex_length(1024) == 1024 and flex_length(1025) == 2048
+    padded = pad_doc_ids(doc_ids, flex_length(300))
+    assert torch.equal(padded[:, :300], doc_ids) and bool((padded[:, 300:] == doc_ids.amax(1, keepdim=True) + 1).all())
+    q, k, v = random_qkv(B=2, Hq=4, Hkv=2, T=300, D=16, dtype=torch.float32, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = run_flex(q, k, v, document_block_mask(padded), compile=False)
+    ref = DocumentCausalAttention(doc_ids).attend(0, q, k, v)
+    assert ours.shape == q.shape
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_flex_in_model_matches_sdpa_on_cpu():
     args = FLAVORS["debug"]
     with torch.device("meta"):
@@ -247,6 +265,16 @@ def test_flex_matches_sdpa_on_cuda(dtype):
     doc_ids = flex_doc_ids().cuda()
     check_against_sdpa(FlexDocumentAttention(doc_ids), doc_ids, dtype, 2, *TOLERANCES[dtype])
     assert isinstance(make_document_attention(doc_ids, "flex"), FlexDocumentAttention)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_flex_rows_of_several_lengths_on_cuda():
+    """Rows of new lengths in one process (as RL's packed rows come): on torch 2.11 the dynamic
+    recompile this used to trigger failed in inductor; rows now run in `flex_length` buckets."""
+    for T in (300, 700, 1500):
+        doc_ids = (torch.arange(T, device="cuda") // 97)[None]
+        check_against_sdpa(FlexDocumentAttention(doc_ids), doc_ids, torch.bfloat16, 1, *TOLERANCES[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -224,7 +224,7 @@ def test_shared_prompt_backends_on_cuda(backend):
     upstream = torch.randn(1, 8, T, 64, generator=gen, device="cuda")
 
     def grads(backend_, dtype):
-        q, k, v = (x.to(dtype).requires_grad_() for x in base)
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in base)  # leaves, also when dtype is base's
         attn = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], backend_)
         out = attn.attend(0, q, k, v)
         out.backward(upstream.to(dtype))
