@@ -211,8 +211,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         # x: (B, T, dim) -> (B, T, dim)
-        h = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, n = self.ffn_norm.add_forward(x, self.attention(self.attention_norm(x), cos, sin, attn))
+        return h + self.feed_forward(n)
 
 
 class Qwen3(DecoderLM):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshrl.models.common import fused_decode
 from meshrl.models.common.attention import AttentionContext
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.packed_projections import Packed
@@ -72,10 +73,21 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, -1, self.head_dim)
         k = k.view(B, T, -1, self.head_dim)
+        if self.qk_norm == "head" and self._fused_qk(q, cos):  # one launch for both norms and RoPE
+            q, k = fused_decode.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+            return q, k, v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q, k, v.view(B, T, -1, self.head_dim).transpose(1, 2)
+
+    def _fused_qk(self, q: Tensor, cos: Tensor) -> bool:
+        """Whether q_norm, k_norm and RoPE can be one kernel (models/common/fused_decode.py): inference,
+        norms in q's dtype with the default numerics and one eps, cos/sin in q's dtype."""
+        return (fused_decode.enabled(q) and q.stride(-1) == 1 and type(self.q_norm) is type(self.k_norm) is RMSNorm and cos.dtype == q.dtype
+                and self.q_norm.weight.dtype == q.dtype == self.k_norm.weight.dtype
+                and not self.q_norm.weight_in_fp32 and not self.k_norm.weight_in_fp32
+                and self.q_norm.eps == self.k_norm.eps and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         # x: (B, T, dim); cos, sin: (B, T, R) -> (B, T, dim)

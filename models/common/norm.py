@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from meshrl.models.common import fused
+from meshrl.models.common import fused, fused_decode
 from meshrl.models.common.fused import use_fused
 
 
@@ -48,6 +48,15 @@ class RMSNorm(nn.Module):
         if self.weight_in_fp32:
             return (self.weight.float() * h).to(input_dtype)
         return self.weight * h.to(input_dtype)
+
+    def add_forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(h, self(h)) with h = x + y: a residual add and the norm after it, one kernel where the
+        decode fusions are on (models/common/fused_decode.py), the same math."""
+        if (fused_decode.enabled(x) and x.shape == y.shape and self.weight.dtype == x.dtype == y.dtype
+                and not self.weight_in_fp32):
+            return fused_decode.add_rms_norm(x, y, self.weight, self.eps)
+        h = x + y
+        return h, self(h)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

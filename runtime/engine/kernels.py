@@ -43,7 +43,31 @@ def triton_available() -> bool:
 def _kernels():
     """The Triton kernels (decode, merge, chunk_stats), defined and jitted on first use: importing
     this module never needs triton."""
-    return _decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _decode_fp8_kernel()
+    return (_decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _decode_fp8_kernel(),
+            _kv_write_kernel())
+
+
+def _kv_write_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kv_write(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, T, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                 stride_vt, stride_cs, stride_ch, D: tl.constexpr, D_PAD: tl.constexpr):
+        token = tl.program_id(0)  # b * T + t
+        head = tl.program_id(1)
+        b = token // T
+        t = token % T
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        d = tl.arange(0, D_PAD)
+        m = d < D
+        k = tl.load(k_ptr + b * stride_kb + head * stride_kh + t * stride_kt + d, mask=m)
+        v = tl.load(v_ptr + b * stride_vb + head * stride_vh + t * stride_vt + d, mask=m)
+        dst = head * stride_ch + slot * stride_cs + d
+        tl.store(kc_ptr + dst, k, mask=m)
+        tl.store(vc_ptr + dst, v, mask=m)
+
+    return kv_write
 
 
 def _fp8_write_kernel():
@@ -88,6 +112,23 @@ def fp8_kv_write(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: 
     kernel[(B * T, H)](k, v, slots, k_cache, v_cache, k_scales, v_scales, T, k.stride(0), k.stride(1), k.stride(2),
                        v.stride(0), v.stride(1), v.stride(2), k_cache.stride(1), k_cache.stride(2),
                        k_scales.stride(1), k_scales.stride(2), D=D, num_warps=1)
+
+
+def kv_write(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Store one layer's new k and v (B, Hkv, T, D), any strides with a contiguous last dim, at the
+    flat slots (B * T,) of a cache in their dtype: one launch for what `write_slots` does in two
+    index_copy_ (and their copies). Caches (num_blocks, bs, Hkv, D), views of one head-major storage
+    (KVCache.layer); the caller checks the shapes (kv_cache.check_fits)."""
+    kernel = _kernels()[5]
+    B, H, T, D = k.shape
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    bs = k_cache.shape[1]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(0) == bs * k_cache.stride(1)
+    assert k_cache.stride(3) == 1 and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
+    kernel[(B * T, H)](k, v, slots, k_cache, v_cache, T, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                       v.stride(1), v.stride(2), k_cache.stride(1), k_cache.stride(2), D=D,
+                       D_PAD=1 << (D - 1).bit_length(), num_warps=1)
 
 
 def _decode_kernel():

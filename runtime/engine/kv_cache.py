@@ -47,9 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from meshrl.models.common import fused_decode
 from meshrl.models.common.attention import attention_with_sinks, selected, window_mask
 from meshrl.models.common.fp8 import FP8, quantize_rows
-from meshrl.runtime.engine.kernels import fp8_kv_write, paged_decode_attention, triton_available  # noqa: F401 (re-exported)
+from meshrl.runtime.engine.kernels import fp8_kv_write, kv_write, paged_decode_attention, triton_available  # noqa: F401 (re-exported)
 
 NULL_BLOCK = 0
 
@@ -436,10 +437,15 @@ def _pow2(x: int) -> bool:
 def write_kv(cache: KVCache, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Store one layer's new k/v (B, Hkv, T, D) at the flat slots (B * T,), quantised (with their
     scales) in an FP8 cache (one Triton launch on CUDA, else `write_fp8_torch`) -> that layer's
-    (k, v) cache views."""
+    (k, v) cache views. A cache in the model dtype takes one Triton launch for both where the decode
+    fusions are on (models/common/fused_decode.py, MESHRL_FUSED_DECODE), else two index_copy_."""
     k_cache, v_cache = cache.layer(layer_id)
     check_fits(v_cache, slots, v)  # both checked before either is written
-    if cache.fp8 and k.is_cuda and triton_available() and _pow2(k.shape[-1]):
+    if (not cache.fp8 and cache.data is not None and fused_decode.enabled(k) and k.dtype == v.dtype == k_cache.dtype
+            and k.shape[-1] == v.shape[-1]):
+        check_fits(k_cache, slots, k)
+        kv_write(k, v, slots, k_cache, v_cache)
+    elif cache.fp8 and k.is_cuda and triton_available() and _pow2(k.shape[-1]):
         check_fits(k_cache, slots, k)
         fp8_kv_write(k, v, slots, k_cache, v_cache, *cache.layer_scales(layer_id))
     elif cache.fp8:
