@@ -16,7 +16,7 @@ import torch
 from meshrl.models.common import fused_decode
 from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding, apply_rope
-from meshrl.runtime.engine import kernels
+from meshrl.runtime.engine import kernels, kv_cache
 from meshrl.runtime.engine.api import generate
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, write_kv
 from meshrl.runtime.engine.native import NativeEngine
@@ -135,22 +135,43 @@ def test_kv_write_writes_the_slots_write_slots_writes(device):
     assert not fused[:, :, :, keep].any() and not eager[:, :, :, keep].any()
 
 
-def _engine_out(monkeypatch, flag: str, device: str, dtype: torch.dtype):
-    monkeypatch.setenv("MESHRL_FUSED_DECODE", flag)
+def _engine_out(flag: str, device: str, dtype: torch.dtype):
+    """The completions and which fused kernels ran."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("MESHRL_FUSED_DECODE", flag)
+        return _counted_run(monkeypatch, device, dtype)
+
+
+def _counted_run(monkeypatch, device: str, dtype: torch.dtype):
+    calls = {}
+
+    def counted(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(fused_decode, "qk_norm_rope")
+    counted(fused_decode, "add_rms_norm")
+    counted(kv_cache, "kv_write")
     engine = NativeEngine(tiny_model(), max_num_seqs=3, max_model_len=64, block_size=4, device=device, dtype=dtype)
-    return generate(engine, requests_for(random_prompts([5, 11, 3]), temperature=0.0, max_tokens=8))
+    return generate(engine, requests_for(random_prompts([5, 11, 3]), temperature=0.0, max_tokens=8)), calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_greedy_tokens_and_logprobs_agree(device, monkeypatch, dtype):
+def test_engine_greedy_tokens_and_logprobs_agree(device, dtype):
     """The whole engine (prefill, decode, CUDA graphs on the GPU) with the fusions on and off. In fp32
     the kernels' math is eager's up to the order of a sum; in bf16 (CUDA only) their outputs move
     by about a spacing (the kernel tests), which a greedy step may amplify, so the first token of
     every sequence and the logprobs of the steps before any divergence are compared."""
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the interpreter truncates bf16 casts")
-    on = _engine_out(monkeypatch, "1", device, dtype)
-    off = _engine_out(monkeypatch, "0", device, dtype)
+    on, calls = _engine_out("1", device, dtype)
+    assert set(calls) == {"qk_norm_rope", "add_rms_norm", "kv_write"}  # each fused kernel served the engine
+    off, calls = _engine_out("0", device, dtype)
+    assert not calls
     if dtype == torch.float32:
         assert [c.token_ids for c in on] == [c.token_ids for c in off]
     atol = 1e-4 if dtype == torch.float32 else 0.1
