@@ -54,6 +54,11 @@ def enabled(x: Tensor) -> bool:
 
 @functools.cache
 def _kernels():
+    """The Triton kernels, defined and jitted on first use: importing this module never needs triton."""
+    return _qk_norm_rope_kernel(), _add_rms_norm_kernel()
+
+
+def _qk_norm_rope_kernel():
     import triton
     import triton.language as tl
 
@@ -107,6 +112,13 @@ def _kernels():
             w3 = tl.load(w_ptr + 2 * HALF + r, mask=mr, other=0.0).to(tl.float32)
             tl.store(dst + 2 * HALF + r, ((x3 * inv).to(dt).to(tl.float32) * w3).to(dt), mask=mr)
 
+    return qk_norm_rope
+
+
+def _add_rms_norm_kernel():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def add_rms_norm(x_ptr, y_ptr, w_ptr, h_ptr, n_ptr, rows, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -123,7 +135,7 @@ def _kernels():
         w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
         tl.store(n_ptr + off, (y * w[None, :]).to(dt), mask=mask)
 
-    return qk_norm_rope, add_rms_norm
+    return add_rms_norm
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
