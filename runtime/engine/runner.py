@@ -1,7 +1,8 @@
 """The native engine's model runner: every forward of the model and every copy between host and
 device. It decides nothing; runtime/engine/scheduler.py chooses what each forward computes.
 
-- prefill    one eager forward of the prefill set (right-padded (B, T)): tokens, block tables,
+- prefill    one eager forward of the prefill set (right-padded (B, T); SDPA without its cuDNN
+             backend, see `_PREFILL_SDPA`): tokens, block tables,
              start positions and lengths go to the device in one host array and one copy, and
              positions and slots are derived there (no per-token Python); the logits of the rows
              whose prompt is done.
@@ -31,12 +32,20 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshrl.runtime.engine.dense_decode import DenseDecode, DenseRows, dense_rows_fit
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
 from meshrl.runtime.engine.recurrent_state import HybridPagedAttention, RecurrentStates
 from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 from meshrl.runtime.engine.sequence import Sequence
+
+
+# Prefill attention may not take cuDNN's SDPA, which torch 2.11 ranks first on Hopper: on an H200
+# a prefill step paid 40-150 ms with it, whatever its token count, against ~28 ms without, when
+# nearly every step's (B, T) was new (continuous refill: 0.6B refill workload 3.9k -> 9.7k tok/s,
+# docs/benchmarks.md 2026-12-02), consistent with a plan built per new shape.
+_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
@@ -164,7 +173,8 @@ class ModelRunner:
                                         states=self.states, rows=state_rows,
                                         fresh_rows=[seq.num_computed == 0 for seq, _ in rows],
                                         lengths=[n for _, n in rows])
-        return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
+        with sdpa_kernel(_PREFILL_SDPA):
+            return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
 
     def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
                        samplers: list[Sequence]) -> tuple[list[int], list[float]]:
