@@ -267,6 +267,14 @@ class TransformerBlock(nn.Module):
         h, n = self.ffn_norm.add_forward(x, self.attention(self.attention_norm(x), cos, sin, attn))
         return h + self.feed_forward(n)
 
+    def forward_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
+                        attn: AttentionContext) -> tuple[Tensor, Tensor]:
+        """forward(x + pending) as (h, ffn out), the two terms of its sum, left for the next norm to add
+        in its kernel (DecoderLM.hidden under the decode fusions; the same math)."""
+        x, n = (x, self.attention_norm(x)) if pending is None else self.attention_norm.add_forward(x, pending)
+        h, n = self.ffn_norm.add_forward(x, self.attention(n, cos, sin, attn))
+        return h, self.feed_forward(n)
+
 
 class Llama3(DecoderLM):
     """Llama 3 causal LM. Build on the meta device, then `to_empty()` + `init_weights()` or a load.

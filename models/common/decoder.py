@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshrl.models.common import fused_decode
 from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
 from meshrl.models.common.init import InitRules, init_parameters
 from meshrl.models.common.norm import RMSNorm
@@ -67,7 +68,15 @@ class DecoderLM(nn.Module):
         attn = CausalAttention() if attn is None else attn
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope(positions, dtype=h.dtype)  # (B, T, head_dim), once for all layers
-        for block in self.layers.values():
+        blocks = list(self.layers.values())
+        if fused_decode.enabled(h) and blocks and all(
+                hasattr(b, "forward_pending") and not b._forward_hooks and not b._forward_pre_hooks for b in blocks):
+            # a block's last residual add runs inside the next norm's kernel (models/common/fused_decode.py)
+            pending = None
+            for block in blocks:
+                h, pending = block.forward_pending(h, pending, cos, sin, attn)
+            return self.norm.add_forward(h, pending)[1]
+        for block in blocks:
             h = block(h, cos, sin, attn)
         return self.norm(h)
 

@@ -5,8 +5,10 @@ kernels per layer, docs/benchmarks.md). These kernels fold neighbours into one l
 
 - `qk_norm_rope`: Qwen3's per-head q_norm and k_norm and RoPE of q and k (4 launches -> 1),
   read straight from the q/k views of the packed q/k/v projection (models/common/gqa.py).
-- `add_rms_norm`: a block's residual add and the RMSNorm after it, h = x + y, n = rmsnorm(h)
-  (2 -> 1), both returned (models/qwen3.py, models/llama3.py).
+- `add_rms_norm`: a residual add and the RMSNorm after it, h = x + y, n = rmsnorm(h) (2 -> 1),
+  both returned (`RMSNorm.add_forward`): the post-attention norm of the Qwen3 and Llama blocks, and,
+  through `forward_pending` in `DecoderLM.hidden`, a block's last residual add carried into the
+  next block's input norm (the last one into the final norm).
 - the engine's k and v cache write in one launch (runtime/engine/kernels.py `kv_write`, 2 -> 1).
 
 Each keeps the eager math: RMSNorm's fp32 statistic, the cast back to the activation dtype before

@@ -20,6 +20,7 @@ from meshrl.runtime.engine import kernels, kv_cache
 from meshrl.runtime.engine.api import generate
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, write_kv
 from meshrl.runtime.engine.native import NativeEngine
+from tests.random_models import scaled_random_model
 from tests.unit.test_engine import random_prompts, requests_for, tiny_model
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -197,3 +198,24 @@ def test_engine_greedy_tokens_and_logprobs_agree(device, dtype):
         logits = logits[0, len(prompt) - 1:-1].float()
         gap = logits.max(-1).values - logits.gather(-1, torch.tensor(a.token_ids, device=device)[:, None])[:, 0]
         assert (gap <= 0.02 * logits.abs().max(-1).values + 1e-3).all(), gap.tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_hidden_with_the_fusions_matches_eager(device, family):
+    """DecoderLM.hidden with every fusion (q/k norm + RoPE for Qwen3, the residual adds carried
+    into the next norm's kernel, the final norm included) against the eager modules."""
+    from meshrl.models import get_family
+
+    fam = get_family(family)
+    model = scaled_random_model(fam.model_cls, fam.flavors["debug"], seed=0).to(device, _dtype(device))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, fam.flavors["debug"].vocab_size, (3, 7), generator=g).to(device)
+    positions = torch.arange(7, device=device).expand(3, -1)
+    with torch.no_grad():
+        eager = model.hidden(tokens, positions)
+    with torch.inference_mode():
+        fused = model.hidden(tokens, positions)
+    if device == "cpu":  # interpreted fp16: the same ops in the same order
+        torch.testing.assert_close(fused, eager, rtol=0, atol=0)
+    else:  # bf16 spacings compound over the layers: a loose bound, the kernel tests hold the tight ones
+        assert (fused.float() - eager.float()).abs().max().item() <= 0.05 * eager.float().abs().max().item()
