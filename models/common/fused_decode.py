@@ -19,8 +19,8 @@ compiler's rsqrt (tests/unit/test_fused_decode.py).
 
 One switch for all three, MESHRL_FUSED_DECODE: unset, they serve CUDA bf16/fp16 activations
 under `torch.inference_mode()` with triton installed (and MESHRL_FUSED not 0); =0 turns them off
-(to compare); =1 forces them wherever inference mode is on, CPU included (with TRITON_INTERPRET=1
-there: the tests). Training and the trainer's no-grad passes never take them (not inference
+(to compare); =1 forces them under inference mode on CUDA in any dtype, and on the CPU where
+TRITON_INTERPRET=1 (the tests). Training and the trainer's no-grad passes never take them (not inference
 mode), so gradients never depend on them. No kernel syncs with the host or has a data-dependent
 shape: they run under CUDA graph capture.
 """
@@ -49,8 +49,9 @@ def enabled(x: Tensor) -> bool:
     if not torch.is_inference_mode_enabled():
         return False
     forced = os.environ.get("MESHRL_FUSED_DECODE")
-    if forced in ("0", "1"):
-        return forced == "1" and _triton_importable()
+    if forced in ("0", "1"):  # forced on: CUDA, or the CPU where triton interprets (never meta tensors)
+        runs = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+        return forced == "1" and runs and _triton_importable()
     return x.is_cuda and x.dtype in _DTYPES and _triton_ok()
 
 

@@ -32,7 +32,8 @@ QKNorm = Literal["none", "head", "full"]
 
 class GQAttention(nn.Module):
     """GQA self-attention: optional q/k/v and output biases, optional q/k RMSNorm, partial RoPE.
-    In the native engine q/k/v are one matmul (`packed["qkv"]`, models/common/packed_projections.py)."""
+    In the native engine q/k/v are one matmul (`packed["qkv"]`, models/common/packed_projections.py)
+    and a per-head q/k norm with RoPE one kernel (`fused_decode.qk_norm_rope`, inference only)."""
 
     packs = {"qkv": ("wq", "wk", "wv")}
 
@@ -84,7 +85,8 @@ class GQAttention(nn.Module):
     def _fused_qk(self, q: Tensor, cos: Tensor) -> bool:
         """Whether q_norm, k_norm and RoPE can be one kernel (models/common/fused_decode.py): inference,
         norms in q's dtype with the default numerics and one eps, cos/sin in q's dtype."""
-        return (fused_decode.enabled(q) and q.stride(-1) == 1 and type(self.q_norm) is type(self.k_norm) is RMSNorm and cos.dtype == q.dtype
+        return (fused_decode.enabled(q) and q.stride(-1) == 1 and cos.dtype == q.dtype
+                and type(self.q_norm) is type(self.k_norm) is RMSNorm
                 and self.q_norm.weight.dtype == q.dtype == self.k_norm.weight.dtype
                 and not self.q_norm.weight_in_fp32 and not self.k_norm.weight_in_fp32
                 and self.q_norm.eps == self.k_norm.eps and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[-1])

@@ -68,9 +68,13 @@ def test_the_switch_is_on_for_cuda_half_inference_only(monkeypatch):
     with torch.inference_mode():
         assert not fused_decode.enabled(x)  # CPU: off unless forced
     monkeypatch.setenv("MESHRL_FUSED_DECODE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not fused_decode.enabled(x)  # never outside inference mode (training, no-grad passes)
     with torch.inference_mode():
         assert fused_decode.enabled(x) == HAS_TRITON
+        assert not fused_decode.enabled(x.to("meta"))
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not fused_decode.enabled(x)  # a CPU tensor only where triton interprets
         monkeypatch.setenv("MESHRL_FUSED_DECODE", "0")
         assert not fused_decode.enabled(x)
 
