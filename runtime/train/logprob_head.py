@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from meshrl.runtime.train import logprob_kernels
+
 __all__ = ["chunked_token_logprobs", "LogprobHead", "default_chunk_tokens"]
 
 # Chunk size by memory budget rather than a fixed token count: the cost of a chunk is its
@@ -84,21 +86,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_out = torch.empty(shape, dtype=torch.float32, device=hidden.device)
         logprobs, entropy = logprobs_out.view(N), entropy_out.view(N)
         lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        fused = logprob_kernels.enabled(hidden)
         for start in range(0, N, chunk_tokens):
             end = min(start + chunk_tokens, N)
-            # The matmul in the input dtype (like F.linear in the unchunked path), then fp32.
-            z = (hidden[start:end] @ weight.T).float().div_(temperature)  # (n, V) fp32
-            lse_c = torch.logsumexp(z, dim=-1)  # (n,)
-            target_z = z.gather(-1, targets[start:end, None]).squeeze(-1)  # (n,)
-            logprobs[start:end] = target_z - lse_c
-            lse[start:end] = lse_c
-            # H = lse - sum_v p_v z_v, as losses._entropy computes it; p is built in the
-            # one (n, V) temporary so a chunk costs two fp32 (n, V) tensors at most.
-            p = (z - lse_c[:, None]).exp_()  # (n, V)
-            entropy[start:end] = lse_c - p.mul_(z).sum(dim=-1)
+            # The matmul in the input dtype (like F.linear in the unchunked path).
+            logits = hidden[start:end] @ weight.T  # (n, V)
+            if fused:
+                logprob_kernels.forward_stats(logits, targets[start:end], temperature, lse[start:end],
+                                              logprobs[start:end], entropy[start:end])
+            else:
+                _torch_stats(logits, targets[start:end], temperature, lse[start:end], logprobs[start:end],
+                             entropy[start:end])
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_tokens = chunk_tokens
+        ctx.fused = fused
         ctx.mark_non_differentiable(entropy_out)
         return logprobs_out, entropy_out
 
@@ -113,16 +115,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # Partial weight gradients are summed in fp32 (one matmul per chunk would otherwise
         # round the running sum to bf16 each time); cast to the weight dtype at the end.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_logprobs = grad_logprobs.float()
+        grad_logprobs = grad_logprobs.float().contiguous()
         for start in range(0, N, chunk_tokens):
             end = min(start + chunk_tokens, N)
             h = hidden[start:end]  # (n, dim)
-            z = (h @ weight.T).float().div_(temperature)  # (n, V) fp32, as in forward
-            # d logprob / d z = onehot(target) - softmax(z); built in place in z's storage.
-            dz = z.sub_(lse[start:end, None]).exp_().neg_()  # (n, V) = -softmax(z)
-            dz.scatter_add_(-1, targets[start:end, None], torch.ones_like(dz[:, :1]))
-            # Chain rule through z = logits / temperature; the matmuls run in the input dtype.
-            dlogits = dz.mul_(grad_logprobs[start:end, None] / temperature).to(hidden.dtype)  # (n, V)
+            logits = h @ weight.T  # (n, V), as in forward
+            if ctx.fused:  # in place over the logits, in their dtype
+                dlogits = logprob_kernels.dlogits_(logits, targets[start:end], lse[start:end],
+                                                   grad_logprobs[start:end], temperature)
+            else:
+                dlogits = _torch_dlogits(logits, targets[start:end], lse[start:end], grad_logprobs[start:end],
+                                         temperature)
             if need_hidden:
                 grad_hidden[start:end] = dlogits @ weight
             if need_weight and dlogits.dtype == torch.float32:
@@ -132,6 +135,29 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _torch_stats(logits: Tensor, targets: Tensor, temperature: float, lse: Tensor, logprobs: Tensor,
+                 entropy: Tensor) -> None:
+    """The reference for `logprob_kernels.forward_stats`: fill lse, logprobs, entropy (n,) from logits (n, V)."""
+    z = logits.float().div_(temperature)  # (n, V) fp32
+    lse_c = torch.logsumexp(z, dim=-1)  # (n,)
+    logprobs.copy_(z.gather(-1, targets[:, None]).squeeze(-1) - lse_c)
+    lse.copy_(lse_c)
+    # H = lse - sum_v p_v z_v, as losses._entropy computes it; p is built in the one (n, V)
+    # temporary so a chunk costs two fp32 (n, V) tensors at most.
+    p = (z - lse_c[:, None]).exp_()  # (n, V)
+    entropy.copy_(lse_c - p.mul_(z).sum(dim=-1))
+
+
+def _torch_dlogits(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """The reference for `logprob_kernels.dlogits_`: d(sum grad * logprob) / d logits (n, V) in the logits' dtype."""
+    z = logits.float().div_(temperature)  # (n, V) fp32, as in forward
+    # d logprob / d z = onehot(target) - softmax(z); built in place in z's storage.
+    dz = z.sub_(lse[:, None]).exp_().neg_()  # (n, V) = -softmax(z)
+    dz.scatter_add_(-1, targets[:, None], torch.ones_like(dz[:, :1]))
+    # Chain rule through z = logits / temperature; the matmuls run in the input dtype.
+    return dz.mul_(grad[:, None] / temperature).to(logits.dtype)  # (n, V)
 
 
 class LogprobHead:
