@@ -274,7 +274,8 @@ class TrainerConfig(Base):
     the unshared packing from fewer tokens. Every attention backend takes it; context parallelism
     (parallel.cp > 1) and linear-attention models do not, and pack unshared rows (said once in the log)."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
-    """Tokens per chunk of the LM head + logprob computation (bounds the fp32 logits held at once)."""
+    """Tokens per chunk of the LM head + logprob computation (bounds the logits held at once: one chunk's
+    input-dtype logits with the fused kernels on CUDA, also its fp32 temporaries on the torch path)."""
     moe_aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of the MoE load-balancing loss (its value is logged as moe/aux_loss either way)."""
 

@@ -49,7 +49,7 @@ class MemoryPlan:
     staging: int  # the shared weight buffer (inference dtype)
     gathered_layer: int  # one layer's full bf16 weights during FSDP2's forward / backward
     activations: int  # one micro-batch, estimated
-    logprob_head: int  # one chunk of fp32 logits and its gradient
+    logprob_head: int  # one chunk of fp32 logits and its gradient (the torch path; the fused kernels hold less)
     recurrent_states: int = 0  # linear-attention layers' state slots, max_num_seqs rows (native engine)
     sleeps: bool = False  # inference.sleep_while_training: the KV cache and the step's memory alternate
 

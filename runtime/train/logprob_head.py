@@ -10,6 +10,12 @@ logits in the input dtype, divided by the temperature in fp32, `log p(target) = 
 logsumexp(z)`, entropy detached. The trainer passes a `LogprobHead` to
 `model(tokens, positions, attn, head=...)`, which calls it inside the model's forward where
 the LM head weight is unsharded (FSDP2).
+
+Around the two matmuls of a chunk (cuBLAS, input dtype), the element-wise work runs either in
+torch (`_torch_stats`, `_torch_dlogits`: fp32 (n, V) temporaries; the CPU path and the reference)
+or in two Triton kernels (runtime/train/logprob_kernels.py: they read the input-dtype logits and
+write dlogits over them in place, so a chunk holds no fp32 (n, V) tensor). The kernels serve
+CUDA by default; MESHRL_FUSED_LOGPROBS=0 / 1 forces them off / on (that module's docstring).
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ from meshrl.runtime.train import logprob_kernels
 
 __all__ = ["chunked_token_logprobs", "LogprobHead", "default_chunk_tokens"]
 
-# Chunk size by memory budget rather than a fixed token count: the cost of a chunk is its
-# fp32 logits, chunk * V * 4 bytes (backward holds about twice that: the fp32 softmax, made in
-# place, plus the input-dtype logits and dlogits). 1 GiB gives ~1.7k tokens at V = 152k, where
+# Chunk size by memory budget rather than a fixed token count: the cost of a chunk on the torch
+# path is its fp32 logits, chunk * V * 4 bytes (forward holds about 2.5x that: the fp32 z and p
+# and the input-dtype logits; backward about 2x). 1 GiB gives ~1.7k tokens at V = 152k, where
 # the (chunk x dim) @ (dim x V) matmul is still large enough to keep a GPU's tensor cores busy
 # (> 1 TFLOP per chunk at dim = 4096), and a whole small-vocabulary row in one chunk.
+# The fused kernels hold only the input-dtype logits (2 bytes a logit in bf16, not ~10), and the
+# rule is kept as it is: it still bounds the torch path (CPU, MESHRL_FUSED_LOGPROBS=0), larger
+# chunks buy no matmul efficiency past ~1k rows and no L2 reuse (a chunk's logits are hundreds of
+# MiB either way), and the one per-chunk cost that shrinks, the weight-gradient add of a (V, dim)
+# matmul result into the fp32 sum (~10 bytes x V x dim of traffic: ~1.6 GB, an estimated ~0.4 ms at
+# the 0.6B shape on an H200), is under 1% of a step at the trainer's 4096-token chunks; the memory saved goes to
+# activations instead.
 _CHUNK_BYTES = 1 << 30
 # Multiples of 128 rows keep the matmul tiles full.
 _CHUNK_ALIGN = 128
