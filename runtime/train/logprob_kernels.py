@@ -23,7 +23,8 @@ engine uses too, and the engine's sampler reads full logits with its own kernels
 
 Switch, MESHRL_FUSED_LOGPROBS: unset, the kernels serve CUDA logits (bf16, fp16 or fp32) when
 triton is installed; =0 keeps the torch path (the reference; CPU always uses it unless forced);
-=1 forces the kernels wherever triton imports (CPU too, with TRITON_INTERPRET=1: the tests).
+=1 forces them on CUDA and, with TRITON_INTERPRET=1, on the CPU (the tests); never on other devices
+(meta tensors keep the torch path).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def enabled(x: Tensor) -> bool:
     if x.dtype not in _DTYPES:
         return False
     forced = os.environ.get("MESHRL_FUSED_LOGPROBS")
-    if forced in ("0", "1"):
-        return forced == "1" and _triton_importable()
+    if forced in ("0", "1"):  # forced on: CUDA, or the CPU where triton interprets (never meta tensors)
+        runs = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+        return forced == "1" and runs and _triton_importable()
     return x.is_cuda and _triton_importable()
 
 

@@ -131,8 +131,12 @@ def test_the_switch(monkeypatch):
     monkeypatch.delenv("MESHRL_FUSED_LOGPROBS", raising=False)
     assert not logprob_kernels.enabled(x)  # CPU keeps the torch path unless forced
     monkeypatch.setenv("MESHRL_FUSED_LOGPROBS", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not logprob_kernels.enabled(x)  # forced on, but no kernel runs on the CPU uninterpreted
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert logprob_kernels.enabled(x) == HAS_TRITON
     assert not logprob_kernels.enabled(x.long())
+    assert not logprob_kernels.enabled(torch.empty(2, 3, dtype=torch.bfloat16, device="meta"))
     monkeypatch.setenv("MESHRL_FUSED_LOGPROBS", "0")
     assert not logprob_kernels.enabled(x)
     if torch.cuda.is_available():
