@@ -273,6 +273,13 @@ class TrainerConfig(Base):
     attending the shared prompt and itself (runtime/train/packing.py): the logprobs, loss and gradients of
     the unshared packing from fewer tokens. Every attention backend takes it; context parallelism
     (parallel.cp > 1) and linear-attention models do not, and pack unshared rows (said once in the log)."""
+    overlap_rollout: bool = True
+    """RL: train a step's GRPO groups as they finish, while the engines still generate its other groups
+    (forward + backward, gradients accumulating); the optimizer step comes once all are in, so the update
+    is the step's without overlap, up to float reassociation (losses divide by a provisional normaliser
+    and the gradients are rescaled to the step's loss-token count at the end; docs/architecture.md,
+    "Overlapped training"). Not with inference.sleep_while_training (the trainer then needs the engine's
+    memory), where it is ignored."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens per chunk of the LM head + logprob computation (bounds the logits held at once: one chunk's
     input-dtype logits with the fused kernels on CUDA, also its fp32 temporaries on the torch path)."""

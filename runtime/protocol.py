@@ -8,12 +8,15 @@ builds the message and, where the payload is more than a few numbers, one that r
                               LOAD_WEIGHTS  join the next weight broadcast; meta: version
                               ABORT         end these requests now (meta request_ids); their
                                             samples come back as COMPLETIONS with finish "abort"
-    controller -> trainers    TRAIN         one step's packed micro-batches for this data rank
+    controller -> trainers    TRAIN         packed micro-batches of a step for this data rank: all of
+                                            them, or (trainer.overlap_rollout) a part; the last part
+                                            carries the step's loss-token count and ends the step
                               CHECKPOINT    save (path) and/or export an HF folder (export)
     controller -> every rank  STOP          finish (trainers: final checkpoint and export first)
     inference  -> controller  COMPLETIONS   finished turns: tokens, logprobs, versions, finish
     trainer 0  -> controller  WEIGHTS       version v is ready: tell inference to join the broadcast
                               REPORT        the step's training statistics and weight-sync time
+                              PART_TRAINED  a step's non-last TRAIN part is trained: send the next
     any rank   -> controller  DONE          the rank's last message
     controller -> itself      EPISODE       an environment call finished (never on the wire)
 
@@ -75,6 +78,7 @@ class Kind(StrEnum):
     SEND_KV = "send_kv"
     RECV_KV = "recv_kv"
     ABORT = "abort"
+    PART_TRAINED = "part_trained"
 
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
@@ -142,19 +146,44 @@ def load_weights(version: int) -> Message:
 # ---------------------------------------------------------------- controller -> trainers
 
 
-def train(step: int, num_loss_tokens: int, micro_batches: list[TensorDict]) -> Message:
-    """One step's micro-batches for one data rank; `num_loss_tokens` counts the whole step (every
-    rank), which every loss divides by (runtime/train/losses.py)."""
+def train(step: int, num_loss_tokens: int | None, micro_batches: list[TensorDict], scale: int | None = None,
+          last: bool = True) -> Message:
+    """Micro-batches of a step for one data rank. `scale` is what their losses divide by (default:
+    `num_loss_tokens`); `last` ends the step with its optimizer step, and only the last part carries
+    `num_loss_tokens`, the loss-token count of the whole step (every rank and part), to which the
+    trainer rescales the gradients (runtime/train/trainer.py: `accumulate_rl`). A step sent in one
+    message is one last part with scale = num_loss_tokens (runtime/train/losses.py)."""
+    assert last == (num_loss_tokens is not None), "only the last part of a step carries num_loss_tokens"
+    if scale is None:
+        assert num_loss_tokens is not None
+        scale = max(num_loss_tokens, 1)
     data = TensorDict({str(i): mb for i, mb in enumerate(micro_batches)}, batch_size=[])
-    return Message(Kind.TRAIN, {"step": step, "num_loss_tokens": num_loss_tokens,
+    return Message(Kind.TRAIN, {"step": step, "num_loss_tokens": num_loss_tokens, "scale": scale, "last": last,
                                 "num_micro_batches": len(micro_batches)}, data)
 
 
-def read_train(msg: Message) -> tuple[int, int, list[TensorDict]]:
-    """-> (step, num_loss_tokens, micro-batches in order)."""
+@dataclass
+class TrainPart:
+    """A TRAIN message read back."""
+
+    step: int
+    num_loss_tokens: int | None  # the step's, on its last part only
+    scale: int                   # the losses' normaliser for these micro-batches
+    last: bool
+    micro_batches: list[TensorDict]
+
+
+def read_train(msg: Message) -> TrainPart:
     assert msg.kind == Kind.TRAIN, msg.kind
     meta = msg.meta
-    return meta["step"], meta["num_loss_tokens"], [msg.data[str(i)] for i in range(meta["num_micro_batches"])]
+    return TrainPart(meta["step"], meta["num_loss_tokens"], meta["scale"], meta["last"],
+                     [msg.data[str(i)] for i in range(meta["num_micro_batches"])])
+
+
+def part_trained(step: int) -> Message:
+    """Trainer 0 -> controller: the non-last TRAIN part of `step` is trained; the next may come (a TRAIN
+    sent to a trainer still computing would block the controller's loop: `transport.send` waits)."""
+    return Message(Kind.PART_TRAINED, {"step": step})
 
 
 def checkpoint(step: int, path: str | None = None, export: str | None = None) -> Message:

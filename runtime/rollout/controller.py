@@ -60,7 +60,8 @@ from meshrl.runtime.rollout.disagg import DisaggRouter
 from meshrl.runtime.rollout.evals import OnlineEval
 from meshrl.runtime.layout import Layout
 from meshrl.runtime.train import shared_prompt
-from meshrl.runtime.train.packing import Sample, count_loss_tokens, pack, shared_fraction
+from meshrl.runtime.train.packing import Sample
+from meshrl.runtime.rollout.feed import StepParts, TrainFeed
 from meshrl.runtime.rundir import MetricsWriter, ProgressLine, TrainingWatch, log, note_activity
 from meshrl.runtime.protocol import HEARTBEAT_S, Kind
 from meshrl.runtime.transport import Message
@@ -99,6 +100,12 @@ class StepState:
     failed: int = 0
     sampled_tokens: int = 0      # tokens the policy sampled for this step's rollouts
     done_at: float | None = None  # when its last rollout finished
+    parts: StepParts = field(default_factory=StepParts)  # what the trainer already has (trainer.overlap_rollout)
+
+    def finished_groups(self) -> list[int]:
+        """Groups whose every rollout is in and that no part has trained yet."""
+        return [g for g, group in enumerate(self.groups)
+                if g not in self.parts.sent and all(r is not None for r in group.rollouts)]
 
 
 @dataclass
@@ -107,7 +114,7 @@ class Clock:
 
     dispatched: int = 0          # steps whose prompts went out
     trained: int = 0             # steps whose report came back
-    training: bool = False       # a batch is with the trainer
+    training: bool = False       # a step's last batch is with the trainer
     weights_version: int = 0     # newest version the inference ranks were told to load
     last_report_at: float = field(default_factory=time.perf_counter)
 
@@ -174,6 +181,7 @@ class Controller:
         self.metrics = metrics if metrics is not None else MetricsWriter(run_dir)
         self.clock = Clock()
         self.share_prompts = shared_prompt.enabled(cfg.model, cfg.trainer)
+        self.feed = TrainFeed(cfg, layout, tokenizer.pad_token_id or 0, self.share_prompts)
         self.cursor = 0
         self._cursor_at: dict[int, int] = {}  # step -> cursor before its prompts (for checkpoints)
         self._previous_done_at = 0.0  # when the last step built had all its rollouts (tokens/rollout_per_s)
@@ -252,6 +260,9 @@ class Controller:
             self._sleep_pending.discard(msg.src)
         elif msg.kind == Kind.REPORT:
             self._on_report(msg.meta)
+        elif msg.kind == Kind.PART_TRAINED:
+            assert msg.meta["step"] == self.clock.trained, msg.meta
+            self.feed.on_part_trained()
         else:
             raise RuntimeError(f"controller got an unexpected message {msg.kind!r} from rank {msg.src}")
 
@@ -356,31 +367,24 @@ class Controller:
 
     def _maybe_train(self) -> None:
         step = self.clock.trained
-        if self.clock.training or step not in self.steps or self.steps[step].pending:
+        if self.clock.training or self.feed.part_out or step not in self.steps:
+            return
+        state = self.steps[step]
+        if state.pending:  # trainer.overlap_rollout: train the groups that have finished (runtime/rollout/feed.py)
+            ready = state.finished_groups() if self.feed.overlap else []
+            if ready:
+                kept = [s for g in ready for s in self._group_kept(state.groups[g])]
+                self.feed.send_part(step, state.parts, ready, kept)
             return
         if not self._engines_asleep():
             return
-        samples, stats = self._build_samples(step)
-        ranks = self.layout.roles.trainers
-        # one stream of micro-batches per data rank; the cp ranks of a data rank share it
-        dims = self.cfg.trainer.parallel.dims(len(ranks))
-        batches = pack(samples, self.cfg.trainer.micro_batch_tokens, dims.num_data_ranks,
-                       pad_id=self.tokenizer.pad_token_id or 0, share_prompts=self.share_prompts)
-        stats["tokens/prompt_shared_fraction"] = shared_fraction(samples, batches)
-        num_loss_tokens = self._loss_normaliser(samples, batches)
-        for index, rank in enumerate(ranks):
-            msg = protocol.train(step, num_loss_tokens, batches[dims.data_rank(index)])
-            transport.send(msg, rank, self.layout.down[rank])
+        per_group, stats = self._build_samples(step)
+        samples = [s for group in per_group for s in group]
+        rest = [s for g, group in enumerate(per_group) if g not in state.parts.sent for s in group]
+        stats.update(self.feed.send_last(step, state.parts, samples, rest))
         self.clock.training = True
         self._pending_stats = stats
         self._sleep_pending = None
-
-    def _loss_normaliser(self, samples: list[Sample], batches) -> int:
-        """What every loss of the step divides by: its loss-token count over all ranks, or, for
-        advantage.type = "drgrpo", samples x sampling.max_tokens (Dr.GRPO: independent of lengths)."""
-        if self.cfg.advantage.type == "drgrpo":
-            return len(samples) * self.cfg.inference.sampling.max_tokens
-        return count_loss_tokens(batches)
 
     def _engines_asleep(self) -> bool:
         """inference.sleep_while_training: ask every inference rank to free its KV cache before the
@@ -394,10 +398,16 @@ class Controller:
                 transport.send(protocol.sleep(), r, self.layout.down[r])
         return not self._sleep_pending
 
-    def _build_samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Advantages per group, the group and sample filters (`advantage`), and rollout statistics."""
+    def _group_kept(self, group: Group) -> list[Sample]:
+        """A finished group's training samples (what `_build_samples` keeps of it)."""
+        ok = [r for r in group.rollouts if r is not None and not r.failed]
+        return group_samples(group, ok, self.cfg.advantage, self.cfg.inference.sampling.max_tokens)[0]
+
+    def _build_samples(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """Advantages per group, the group and sample filters (`advantage`), and rollout statistics:
+        the training samples of each group, in group order."""
         state = self.steps[step]
-        samples: list[Sample] = []
+        per_group: list[list[Sample]] = []
         rewards, lags, lengths = [], [], []
         dropped = dict.fromkeys(DROP_REASONS, 0)
         masked_truncated = 0
@@ -407,7 +417,7 @@ class Controller:
             lags += [step - min(r.versions) for r in ok if r.versions]
             lengths += [_sampled_tokens(r) for r in ok]
             kept, reason, masked = group_samples(group, ok, self.cfg.advantage, self.cfg.inference.sampling.max_tokens)
-            samples += kept
+            per_group.append(kept)
             masked_truncated += masked
             if reason is not None:
                 dropped[reason] += 1
@@ -420,7 +430,7 @@ class Controller:
             "policy_lag/max": max(lags) if lags else 0,
             "batch/groups_filtered": sum(dropped.values()),
             **{f"batch/groups_dropped_{reason}": count for reason, count in dropped.items()},
-            "batch/samples_trained": len(samples),
+            "batch/samples_trained": sum(len(kept) for kept in per_group),
             "batch/samples_masked_truncated": masked_truncated,
             "rollouts/failed": state.failed,
             "rollouts/truncated_fraction": truncated / total,
@@ -430,7 +440,7 @@ class Controller:
             **env_stats(state, getattr(self.env, "name", "env")),
         }
         self._write_samples(step, state)
-        return samples, stats
+        return per_group, stats
 
     def _rollout_rate(self, state: StepState) -> float:
         """Sampled tokens per second of this step's rollouts, over the time the engines worked on them:
@@ -468,6 +478,7 @@ class Controller:
                    "tokens/train_per_s": trainer["train_tokens"] / max(trainer["train_time_s"], 1e-9),
                    "time/step_s": elapsed,
                    "time/train_s": trainer["train_time_s"],
+                   "time/train_tail_s": trainer["train_tail_s"],
                    "time/weight_sync_s": meta["weight_sync_s"],
                    "weights/version": meta["version"],
                    "train/nonfinite_steps": trainer.get("nonfinite_steps", 0),

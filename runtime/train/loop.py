@@ -1,9 +1,11 @@
 """The trainer rank's loop in an RL job: train the controller's batches, sync weights, checkpoint.
 
     build the policy (sharded), load a checkpoint if resuming, broadcast version 0
-    loop:  TRAIN step s    -> one optimizer step -> WEIGHTS v to the controller (so that it tells
-                              the inference ranks to join) -> broadcast v on the sync group
-                              -> REPORT (stats, weight-sync time)
+    loop:  TRAIN step s    -> forward + backward of its micro-batches; a part that is not the
+                              step's last (trainer.overlap_rollout) -> PART_TRAINED, and wait for
+                              the next; the last -> one optimizer step -> WEIGHTS v to the
+                              controller (so that it tells the inference ranks to join)
+                              -> broadcast v on the sync group -> REPORT (stats, weight-sync time)
            CHECKPOINT      -> save the sharded state (async) and/or export an HF folder
            STOP            -> final checkpoint, export checkpoints/final, DONE
 
@@ -77,7 +79,7 @@ class TrainerRank:
             if msg.kind == Kind.CHECKPOINT:
                 self._checkpoint(msg.meta["step"], msg.meta.get("path"), msg.meta.get("export"))
                 continue
-            self._train(*protocol.read_train(msg))
+            self._train(protocol.read_train(msg))
 
     def sync(self) -> float:
         """Send the current weights to the inference ranks (broadcast, or the colocated buffer);
@@ -94,10 +96,17 @@ class TrainerRank:
                                      self.dtype, self.cfg.weight_sync.bucket_mb, layout.device)
         return time.perf_counter() - start
 
-    def _train(self, step: int, num_loss_tokens: int, micro_batches: list) -> None:
-        self.beat.set(f"train step {step}")
+    def _train(self, part: protocol.TrainPart) -> None:
+        """Train one TRAIN part; the last part of a step takes the optimizer step, syncs and reports."""
+        self.beat.set(f"train step {part.step}")
         cfg = self.cfg
-        stats = self.trainer.rl_step(micro_batches, num_loss_tokens, cfg.trainer.loss, cfg.inference.sampling.temperature)
+        self.trainer.accumulate_rl(part.micro_batches, part.scale, cfg.trainer.loss, cfg.inference.sampling.temperature)
+        if not part.last:  # trainer.overlap_rollout: more of the step's groups are still generating
+            if self.leader:
+                transport.send(protocol.part_trained(part.step), self.controller, self.up)
+            return
+        step = part.step
+        stats = self.trainer.finish_rl_step(part.num_loss_tokens)
         stats["failed_saves"] = self.checkpointer.failed  # checkpoint/failed_saves in metrics.jsonl
         if self.layout.device.type == "cuda":
             stats["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated(self.layout.device) / 2**30

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,17 @@ from meshrl.runtime.rundir import log
 
 _STAT_KEYS = ("loss_tokens", "masked_tokens", "clipped_tokens", "corrected_tokens", "mismatch_kl_sum", "entropy_sum",
               "pg_loss_sum", "kl_loss_sum", "nll_sum", "tokens", "aux_loss_sum")
+
+
+@dataclass
+class _Accumulation:
+    """An RL step between its first `accumulate_rl` and `finish_rl_step`."""
+
+    scale: int                 # what every micro-batch loss of the step divided by
+    sums: torch.Tensor         # (len(_STAT_KEYS),) float64 statistic sums of this rank
+    busy_s: float = 0.0        # seconds spent in the step's parts
+    last_s: float = 0.0        # of them, in the latest part
+    parts: int = 0             # accumulate_rl calls
 
 
 def resolve_attention(backend: str, device: torch.device, compute_dtype: torch.dtype) -> str:
@@ -107,6 +119,8 @@ class Trainer:
         """Optimizer steps taken = the policy version the weights now carry."""
         self.nonfinite_steps = 0
         """Steps whose gradient norm was NaN/inf and whose update was therefore skipped."""
+        self._acc: _Accumulation | None = None
+        """The RL step being accumulated (`accumulate_rl`) until `finish_rl_step`."""
 
     def state_dict(self) -> dict[str, int]:
         """The counters saved beside the sharded weights and AdamW state (runtime/checkpoint.py)."""
@@ -157,21 +171,61 @@ class Trainer:
     def rl_step(self, micro_batches: list[TensorDict], num_loss_tokens: int, loss: LossConfig,
                 temperature: float) -> dict[str, float]:
         """One RL optimizer step; returns global statistics (identical on every trainer rank)."""
+        self.accumulate_rl(micro_batches, max(num_loss_tokens, 1), loss, temperature)
+        return self.finish_rl_step(num_loss_tokens)
+
+    def accumulate_rl(self, micro_batches: list[TensorDict], scale: int, loss: LossConfig,
+                      temperature: float) -> None:
+        """Forward and backward over some of a step's micro-batches, gradients accumulating; no update.
+
+        Each micro-batch's loss divides by `scale` instead of the step's loss-token count, which a step
+        trained in parts (`trainer.overlap_rollout`: groups trained while the rest still generate) only
+        knows at its end. Every part of a step and every rank must use the same `scale`: FSDP sums the
+        ranks' gradients as they are. The losses are linear in 1 / normaliser, so `finish_rl_step`
+        rescales the summed gradients by scale / num_loss_tokens once, before clipping; the update
+        equals the one-part step's up to float reassociation.
+        """
         start = time.perf_counter()
-        self.model.train()
-        sums = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=self.device)
+        acc = self._acc
+        if acc is None:
+            self.model.train()
+            acc = self._acc = _Accumulation(scale, torch.zeros(len(_STAT_KEYS), dtype=torch.float64,
+                                                               device=self.device))
+        assert acc.scale == scale, f"a step's parts must share one loss scale ({acc.scale} != {scale})"
         for mb in micro_batches:
             mb, logprobs, entropy = self._forward(mb, temperature)
             mask = mb["loss_mask"]
-            value, stats = policy_loss(mb, logprobs, loss, max(num_loss_tokens, 1))
-            value = self._with_aux(value, mask, num_loss_tokens, stats)
+            value, stats = policy_loss(mb, logprobs, loss, scale)
+            value = self._with_aux(value, mask, scale, stats)
             value.backward()
             stats["entropy_sum"] = torch.where(mask, entropy, 0.0).sum()
             stats["tokens"] = torch.tensor(float(mb["input_ids"].numel()))
-            sums += torch.stack([stats.get(k, torch.tensor(0.0)).to(sums) for k in _STAT_KEYS])
+            acc.sums += torch.stack([stats.get(k, torch.tensor(0.0)).to(acc.sums) for k in _STAT_KEYS])
+        acc.parts += 1
+        acc.last_s = time.perf_counter() - start
+        acc.busy_s += acc.last_s
+
+    def finish_rl_step(self, num_loss_tokens: int) -> dict[str, float]:
+        """The optimizer step after `accumulate_rl`: gradients rescaled to the step's global loss-token
+        count, clipped, applied; returns the step's global statistics (identical on every rank).
+        `train_time_s` counts this rank's seconds in the step's parts and here, not the waits between;
+        `train_tail_s` those of the last part and the update (what the step waits for once its last
+        rollout is in)."""
+        start = time.perf_counter()
+        acc, self._acc = self._acc, None
+        if acc is None:  # no micro-batch on any rank (every group filtered): nothing was accumulated
+            acc = _Accumulation(max(num_loss_tokens, 1), torch.zeros(len(_STAT_KEYS), dtype=torch.float64,
+                                                                     device=self.device))
+        if num_loss_tokens > 0 and acc.scale != num_loss_tokens:
+            factor = acc.scale / num_loss_tokens
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+            acc.sums[_STAT_KEYS.index("aux_loss_sum")] *= factor  # the aux loss is weighted by 1 / scale too
         grad_norm = self._optimizer_step(skip=num_loss_tokens == 0)
-        out = self._reduce(sums)
+        out = self._reduce(acc.sums)
         n = max(out["loss_tokens"], 1.0)
+        tail_s = time.perf_counter() - start
         return {
             "loss": (out["pg_loss_sum"] + out["kl_loss_sum"]) / n,
             "pg_loss": out["pg_loss_sum"] / n,
@@ -185,7 +239,8 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "loss_tokens": out["loss_tokens"],
             "train_tokens": out["tokens"],
-            "train_time_s": time.perf_counter() - start,
+            "train_time_s": acc.busy_s + tail_s,
+            "train_tail_s": acc.last_s + tail_s,
             "nonfinite_steps": self.nonfinite_steps,
             **self._moe_stats(out),
         }

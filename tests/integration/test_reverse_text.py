@@ -21,7 +21,7 @@ SFT = str(ROOT / "configs/reverse_text/sft.toml")
 RL = str(ROOT / "configs/reverse_text/rl.toml")
 METRICS = ["step", "reward/mean", "reward/std", "loss", "mismatch_kl", "entropy", "masked_fraction", "grad_norm",
            "policy_lag/mean", "policy_lag/max", "tokens/rollout_per_s", "tokens/train_per_s", "time/step_s",
-           "time/weight_sync_s"]
+           "time/weight_sync_s", "time/train_tail_s", "batch/train_parts"]
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +88,9 @@ def test_synchronous_two_trainer_ranks_and_two_engines_are_on_policy(warm_start,
     # the trainer recomputes the logprobs both engines sampled with, with the same (gathered, broadcast)
     # weights: equal in fp32
     assert all(r["mismatch_kl"] <= 1e-6 for r in rows), [r["mismatch_kl"] for r in rows]
+    # trainer.overlap_rollout (default): groups that finished were trained in parts while the others
+    # generated, over 2 FSDP ranks, and the weights stayed those of the rollouts' policy (above)
+    assert all(r["batch/train_parts"] >= 1 for r in rows)
     assert len(list((run / "logs").glob("rank*-inference.log"))) == 2
 
 

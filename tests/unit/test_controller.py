@@ -5,6 +5,7 @@ import time
 import pytest
 
 from meshrl.envs.base import Example
+from meshrl.runtime import transport
 from meshrl.runtime.config import AdvantageConfig, ModelConfig, RLConfig
 from meshrl.runtime.rollout.controller import Controller, Group, Rollout, StepState
 from meshrl.runtime.tokenizer import build_char_tokenizer
@@ -38,7 +39,9 @@ def test_failed_rollouts_are_excluded_and_flat_groups_filtered(tmp_path):
         rollouts = [rollout(tok, text, version=0) for text in row]
         groups.append(Group(ex, tok.encode(ex.prompt, add_special_tokens=False), rollouts))
     ctl.steps[2] = StepState(groups, time.perf_counter(), pending=0, failed=1)
-    samples, stats = ctl._build_samples(step=2)
+    per_group, stats = ctl._build_samples(step=2)
+    assert len(per_group) == 2 and per_group[1] == []
+    samples = per_group[0]
     # group 0: the failed rollout is excluded; advantages over the 3 others (mean 2/3)
     assert [round(s.advantage, 6) for s in samples] == [round(1 - 2 / 3, 6), round(-2 / 3, 6), round(1 - 2 / 3, 6)]
     # group 1: every reward equal -> no signal -> filtered
@@ -62,7 +65,8 @@ def _step(ctl, tok, texts, finish=None):
                 r.finish_reason = finish[g][j]
         groups.append(Group(ex, tok.encode(ex.prompt, add_special_tokens=False), rollouts))
     ctl.steps[0] = StepState(groups, time.perf_counter(), pending=0)
-    return ctl._build_samples(step=0)
+    per_group, stats = ctl._build_samples(step=0)
+    return [s for group in per_group for s in group], stats
 
 
 def test_advantage_type_rloo_and_difficulty_filter(tmp_path):
@@ -104,6 +108,65 @@ def test_drgrpo_divides_by_samples_times_max_tokens(tmp_path):
     ctl, tok = make_controller(tmp_path)
     samples, _ = _step(ctl, tok, [["good", "bad", "bad", "bad"]])
     batches = pack(samples, 64, 1)
-    assert ctl._loss_normaliser(samples, batches) == 4 + 4 + 4 + 5  # loss tokens: completions with eos
-    ctl.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(type="drgrpo")})
-    assert ctl._loss_normaliser(samples, batches) == 4 * 64
+    assert ctl.feed.loss_normaliser(samples, batches) == 4 + 4 + 4 + 5  # loss tokens: completions with eos
+    ctl.feed.cfg = ctl.cfg.model_copy(update={"advantage": AdvantageConfig(type="drgrpo")})
+    assert ctl.feed.loss_normaliser(samples, batches) == 4 * 64
+
+
+def test_overlap_sends_finished_groups_as_parts_and_the_step_count_last(tmp_path):
+    """trainer.overlap_rollout: a group whose rollouts are all in goes to the trainer while the other
+    generates; the next part waits for PART_TRAINED; the last part carries the loss tokens of both."""
+    from meshrl.runtime import protocol
+    from meshrl.runtime.train.packing import count_loss_tokens
+
+    ctl, tok = make_controller(tmp_path)
+    assert ctl.feed.overlap  # the default
+    sent = []
+    ctl.feed._send = lambda step, batches, n, scale: sent.append((step, batches, n, scale))
+    ex = Example(0, "abc\n", "cba", {})
+    prompt = tok.encode(ex.prompt, add_special_tokens=False)
+    texts = [["good", "bad", "bad", "good"], ["bad", "good", "bad", "bad"]]
+    ctl.steps[0] = StepState([Group(ex, prompt, [None] * 4) for _ in texts], time.perf_counter(), pending=8)
+
+    def finish(g, j):
+        ctl.steps[0].groups[g].rollouts[j] = rollout(tok, texts[g][j])
+        ctl.steps[0].pending -= 1
+
+    for j in range(3):
+        finish(1, j)
+    finish(0, 0)
+    ctl._maybe_train()
+    assert sent == []  # no group is complete
+    finish(1, 3)
+    ctl._maybe_train()
+    (step, part, n, scale), = sent
+    assert step == 0 and n is None and scale == 2 * 4 * 64  # provisional: prompts x samples x max_tokens
+    assert sum(int(mb["loss_mask"].sum()) for mb in part[0]) == 4 + 5 + 4 + 4  # group 1 alone
+    for j in range(1, 4):
+        finish(0, j)
+    ctl._maybe_train()
+    assert len(sent) == 1 and not ctl.clock.training  # the part is still with the trainer
+    ctl._handle(transport.Message(protocol.Kind.PART_TRAINED, {"step": 0}))
+    ctl._maybe_train()
+    (_, last, n, last_scale) = sent[1]
+    assert last_scale == scale and n == count_loss_tokens([part[0], last[0]]) == 17 + 5 + 4 + 4 + 5
+    assert ctl.clock.training and ctl._pending_stats["batch/train_parts"] == 2
+
+
+def test_without_overlap_a_step_is_one_train_message(tmp_path):
+    ctl, tok = make_controller(tmp_path)
+    ctl.feed.overlap = False
+    sent = []
+    ctl.feed._send = lambda step, batches, n, scale: sent.append((step, batches, n, scale))
+    ex = Example(0, "abc\n", "cba", {})
+    groups = [Group(ex, tok.encode(ex.prompt, add_special_tokens=False), [rollout(tok, t) for t in row])
+              for row in (["good", "bad", "bad", "good"], ["bad", "good", "bad", "bad"])]
+    ctl.steps[0] = StepState(groups, time.perf_counter(), pending=4)
+    ctl.steps[0].groups[0].rollouts[0] = None
+    ctl._maybe_train()
+    assert sent == []
+    ctl.steps[0].groups[0].rollouts[0] = rollout(tok, "good")
+    ctl.steps[0].pending = 0
+    ctl._maybe_train()
+    (_, batches, n, scale), = sent
+    assert n == 18 + 17 and scale is None and ctl._pending_stats["batch/train_parts"] == 1
