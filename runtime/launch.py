@@ -166,9 +166,11 @@ def threads_per_rank(cfg: Base) -> int:
     sets it (`launch` sets it to this default when it is unset); else the node's cores shared by
     its trainer and inference ranks.
 
-    On-policy RL alternates the two roles, so the active one could take the idle one's cores; that
-    default was measured and dropped: on the shared 2-core machine (other jobs running) two threads
-    per rank made a reverse-text RL step ~5x slower than one (docs/benchmarks.md, 2026-12-01 late).
+    On-policy RL without overlap alternates the two roles, so the active one could take the idle one's
+    cores; that default was measured and dropped: on the shared 2-core machine (other jobs running) two
+    threads per rank made a reverse-text RL step ~5x slower than one (docs/benchmarks.md, 2026-12-01
+    late). With trainer.overlap_rollout (the default) and asynchronous RL both roles compute at once,
+    which is what this share of the cores assumes.
     """
     if cfg.dist.threads_per_rank is not None:
         return cfg.dist.threads_per_rank

@@ -14,6 +14,12 @@ so every token of a step-s rollout comes from a policy at most max_off_policy_st
 synchronous on-policy; with k > 0, inference generates up to k steps ahead while the trainer
 trains. Each rollout carries the version of every token; policy_lag = s - oldest version.
 
+Overlapped training (trainer.overlap_rollout, runtime/rollout/feed.py). While step s's rollouts are
+still generating, its finished groups already go to the trainer as TRAIN parts (forward + backward,
+gradients accumulating); the last part, once every rollout is scored, carries the step's loss
+normaliser and the trainer takes the one optimizer step. The weights stay those of the policy
+the rollouts came from, so the step is the one without overlap.
+
 Episodes (runtime/rollout/episodes.py). Every rollout is an episode: environment work (the prompt, each
 multi-turn step with its tools, scoring) runs on worker threads whose answers arrive on the same
 queue as "episode" messages; each turn is a request to the group's inference rank whose prompt is
@@ -227,8 +233,9 @@ class Controller:
             msg = self.inbox.get(timeout=HEARTBEAT_S)
             if msg is None:
                 waited += HEARTBEAT_S
-                log.warning("heartbeat: waiting %.0fs; trained %d, dispatched %d, training=%s, in flight %d",
-                            waited, self.clock.trained, self.clock.dispatched, self.clock.training, len(self.where))
+                log.warning("heartbeat: waiting %.0fs; trained %d, dispatched %d, training=%s, part out=%s, "
+                            "in flight %d", waited, self.clock.trained, self.clock.dispatched, self.clock.training,
+                            self.feed.part_out, len(self.where))
                 continue
             waited = 0.0
             self._handle(msg)
