@@ -268,8 +268,7 @@ class Controller:
         elif msg.kind == Kind.REPORT:
             self._on_report(msg.meta)
         elif msg.kind == Kind.PART_TRAINED:
-            assert msg.meta["step"] == self.clock.trained, msg.meta
-            self.feed.on_part_trained()
+            self.feed.on_part_trained(msg.meta["step"], self.clock.trained)
         else:
             raise RuntimeError(f"controller got an unexpected message {msg.kind!r} from rank {msg.src}")
 

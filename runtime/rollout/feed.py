@@ -74,8 +74,10 @@ class TrainFeed:
         return {"tokens/prompt_shared_fraction": shared_fraction(samples, every),
                 "batch/train_parts": len(parts.batches) + 1}
 
-    def on_part_trained(self) -> None:
-        assert self.part_out, "PART_TRAINED without a part out"
+    def on_part_trained(self, step: int, training: int) -> None:
+        """PART_TRAINED of `step`; the controller trains step `training`."""
+        assert self.part_out and step == training, f"PART_TRAINED of step {step} (training {training}, " \
+            f"part out: {self.part_out})"
         self.part_out = False
 
     def provisional_scale(self) -> int:
