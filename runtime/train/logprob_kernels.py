@@ -12,9 +12,11 @@ These two kernels read the input-dtype logits of `hidden @ weight.T` (cuBLAS, un
 - `dlogits_`: dlogits = (onehot(target) - exp(z - lse)) * grad * (1 / T), rounded to the logits'
   dtype and written over the logits buffer in place; the two backward matmuls follow as before.
 
-The math is the torch path's (which scales by the fp32 reciprocal of T, as CUDA's division by a
-scalar does); results differ from it by the reduction order and the compiler's exp/log (about
-1e-6 relative in the fp32 outputs; the rounded dlogits by at most a bf16 spacing).
+The math is the torch path's (z scaled by the fp32 reciprocal of T, as torch's CUDA division by a
+scalar does); results differ from it by the reduction order and the compiler's exp/log: ~1e-6 in
+the logprobs, the entropy within the torch path's own cancellation error (~1e-5 at |lse| ~ 16;
+ours is closer to the fp64 value), dlogits by at most one spacing of their dtype
+(tests/unit/test_logprob_kernels.py).
 
 Why here and not in models/common: the kernels serve only the trainer's logprob head (this room,
 layer 3 of tests/unit/test_layout_rules.py); models/common holds model building blocks that the
