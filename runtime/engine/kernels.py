@@ -41,8 +41,8 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (decode, merge, chunk_stats), defined and jitted on first use: importing
-    this module never needs triton."""
+    """The Triton kernels (decode, merge, chunk_stats, fp8 write, fp8 decode, kv write), defined and
+    jitted on first use: importing this module never needs triton. Callers index the tuple."""
     return (_decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _decode_fp8_kernel(),
             _kv_write_kernel())
 
@@ -333,7 +333,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     splits: key-range splits (default: `num_splits` of the batch and nb * block_size).
     An FP8 (e4m3) cache passes k_scales / v_scales (num_blocks, block_size, Hkv) fp32, one per
     key: keys and values are read as e4m3 (half the bytes) and widened to q's dtype in registers."""
-    decode, merge, _, _, decode_fp8 = _kernels()
+    kernels = _kernels()
+    decode, merge, decode_fp8 = kernels[0], kernels[1], kernels[4]
     B, num_q_heads, T, D = q.shape
     assert T == 1, "the decode kernel takes one token per row"
     _, block_size, num_kv_heads, _ = k_cache.shape
