@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshrl.runtime.engine.dense_decode import DenseDecode, DenseRows, dense_rows_fit
 from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
 from meshrl.runtime.engine.recurrent_state import HybridPagedAttention, RecurrentStates
-from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample, upload
+from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 from meshrl.runtime.engine.sequence import Sequence
 
 
@@ -89,7 +89,7 @@ class DecodeRows:
         """Copy rows [0, B) and the queued block-table entries to the device buffers."""
         staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
                   + array("q", self.table_updates))
-        dev = upload(torch.frombuffer(staged, dtype=torch.long), self.inputs.device)
+        dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
         self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
         self.inputs[0, :B, 0].copy_(torch.where(dev[4 * B:5 * B].bool(), self.last[:B], self.inputs[0, :B, 0]))
         torch.add(dev[B:2 * B], 1, out=self.context_lens[:B])
@@ -156,7 +156,7 @@ class ModelRunner:
             host.extend(seq.table)
             host.extend(pad[:nb - len(seq.table)])  # NULL_BLOCK
         host.extend([seq.num_computed for seq, _ in rows] + [n for _, n in rows])
-        dev = upload(torch.frombuffer(host, dtype=torch.long), device)
+        dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
         tokens = dev[:B * T].view(B, T)
         tables = dev[B * T:B * (T + nb)].view(B, nb)
         starts, lengths = dev[B * (T + nb):].view(2, B)
@@ -183,8 +183,8 @@ class ModelRunner:
         device = self.device
         D, S = len(done_rows), len(samplers)
         # One upload: rows, last positions, logit rows and sampling counters.
-        dev = upload(torch.tensor(done_rows + last + logit_rows + [len(s.tokens) - s.num_prompt for s in samplers]),
-                     device)
+        dev = torch.tensor(done_rows + last + logit_rows + [len(s.tokens) - s.num_prompt for s in samplers]).to(
+            device, non_blocking=True)
         logits = F.linear(hidden[dev[:D], dev[D:2 * D]], self.model.output_weight)  # (D, V)
         if len(logit_rows) != D:
             logits = logits[dev[2 * D:2 * D + S]]

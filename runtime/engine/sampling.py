@@ -36,21 +36,6 @@ from torch import Tensor
 from meshrl.runtime.engine.kernels import chunk_stats, triton_available
 
 
-# Host-to-device copies of the engine's step inputs go through pinned memory. From pageable memory
-# `non_blocking=True` does not keep the host from waiting: on the H200 the engine's uploads spent
-# ~0.4 ms each in cudaMemcpyAsync, behind the decode graph already queued (docs/benchmarks.md,
-# 2026-12-02). Pinned blocks come from torch's caching host allocator, which does not hand a block
-# out again before its copy has completed. A switch for A/B measurements only.
-PIN_UPLOADS = True
-
-
-def upload(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device`, queued without waiting for the device's earlier work (CUDA)."""
-    if device.type == "cuda" and PIN_UPLOADS:
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled.
@@ -187,7 +172,7 @@ class SamplingBatch:
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
 
         def move(t: Tensor) -> Tensor:
-            return upload(t, torch.device(device))
+            return t.to(device, non_blocking=True)
 
         return cls(
             temperature=move(temperature),
