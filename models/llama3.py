@@ -4,8 +4,8 @@ One file holds everything a family needs:
 
 - `Llama3Args` and its conversion to and from an HF `config.json` dict (model_type "llama");
 - `FLAVORS`: a tiny "debug" model for tests and the real Llama 3.1 / 3.2 shapes;
-- the modules (`TransformerBlock`, `Llama3`; attention is common/gqa.py's `GQAttention` without
-  biases or q/k norms, the SwiGLU `FeedForward` is shared);
+- the modules (`TransformerBlock`, a common/decoder.py `DenseBlock`, and `Llama3`; attention is
+  common/gqa.py's `GQAttention` without biases or q/k norms, the SwiGLU `FeedForward` is shared);
 - `PARALLEL_PLAN`: which submodules are FSDP units / how tensor parallelism splits them, as data;
 - `INIT_RULES`: the init scheme, applied by common/init.py;
 - `KEY_MAP`: the explicit key map between our names and HF's, applied by common/state_dict.py
@@ -24,14 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from meshrl.models.common.attention import AttentionContext
-from meshrl.models.common.decoder import DecoderLM
-from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.decoder import DecoderLM, DenseBlock
 from meshrl.models.common.gqa import GQAttention
 from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
-from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import Llama3RopeScaling, RotaryEmbedding
 from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
@@ -252,28 +248,11 @@ PARALLEL_PLAN: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)). The unit FSDP2 wraps."""
+class TransformerBlock(DenseBlock):
+    """Pre-norm block (models/common/decoder.py `DenseBlock`). The unit FSDP2 wraps."""
 
     def __init__(self, args: Llama3Args, layer_id: int) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = GQAttention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        # x: (B, T, dim) -> (B, T, dim)
-        h, n = self.ffn_norm.add_forward(x, self.attention(self.attention_norm(x), cos, sin, attn))
-        return h + self.feed_forward(n)
-
-    def forward_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
-                        attn: AttentionContext) -> tuple[Tensor, Tensor]:
-        """forward(x + pending) as (h, ffn out), the two terms of its sum, left for the next norm to add
-        in its kernel (DecoderLM.hidden under the decode fusions; the same math)."""
-        x, n = (x, self.attention_norm(x)) if pending is None else self.attention_norm.add_forward(x, pending)
-        h, n = self.ffn_norm.add_forward(x, self.attention(n, cos, sin, attn))
-        return h, self.feed_forward(n)
+        super().__init__(args.dim, args.hidden_dim, args.norm_eps, GQAttention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, layer_id))
 
 
 class Llama3(DecoderLM):

@@ -4,8 +4,9 @@ One file holds everything a family needs:
 
 - `Qwen3Args` and its conversion to and from an HF `config.json` dict;
 - `FLAVORS`: a tiny "debug" model for tests and the real Qwen3 shapes;
-- the modules (`TransformerBlock`, `Qwen3`; attention is common/gqa.py's `GQAttention` with per-head
-  q/k RMSNorm, the SwiGLU `FeedForward` is shared, in common/ffn.py);
+- the modules (`TransformerBlock`, a common/decoder.py `DenseBlock`, and `Qwen3`; attention is
+  common/gqa.py's `GQAttention` with per-head q/k RMSNorm, the SwiGLU `FeedForward` is shared, in
+  common/ffn.py);
 - `PARALLEL_PLAN`: which submodules are FSDP units / how tensor parallelism splits them, as data;
 - `INIT_RULES`: the init scheme, applied by common/init.py;
 - `KEY_MAP`: the explicit key map between our names (torchtitan style) and HF's, applied by
@@ -22,14 +23,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from meshrl.models.common.attention import AttentionContext
-from meshrl.models.common.decoder import DecoderLM
-from meshrl.models.common.ffn import FeedForward
+from meshrl.models.common.decoder import DecoderLM, DenseBlock
 from meshrl.models.common.gqa import GQAttention
 from meshrl.models.common.init import NORMAL, ONES, RESIDUAL
-from meshrl.models.common.norm import RMSNorm
 from meshrl.models.common.rope import RotaryEmbedding
 from meshrl.models.common.state_dict import DECODER_KEYS, SWIGLU_KEYS, KeyMap, StateDictAdapter
 
@@ -199,28 +196,11 @@ def attention(args: Qwen3Args, layer_id: int) -> GQAttention:
                        norm_eps=args.norm_eps)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)). The unit FSDP2 wraps."""
+class TransformerBlock(DenseBlock):
+    """Pre-norm block (models/common/decoder.py `DenseBlock`). The unit FSDP2 wraps."""
 
     def __init__(self, args: Qwen3Args, layer_id: int) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = attention(args, layer_id)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
-        # x: (B, T, dim) -> (B, T, dim)
-        h, n = self.ffn_norm.add_forward(x, self.attention(self.attention_norm(x), cos, sin, attn))
-        return h + self.feed_forward(n)
-
-    def forward_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
-                        attn: AttentionContext) -> tuple[Tensor, Tensor]:
-        """forward(x + pending) as (h, ffn out), the two terms of its sum, left for the next norm to add
-        in its kernel (DecoderLM.hidden under the decode fusions; the same math)."""
-        x, n = (x, self.attention_norm(x)) if pending is None else self.attention_norm.add_forward(x, pending)
-        h, n = self.ffn_norm.add_forward(x, self.attention(n, cos, sin, attn))
-        return h, self.feed_forward(n)
+        super().__init__(args.dim, args.hidden_dim, args.norm_eps, attention(args, layer_id))
 
 
 class Qwen3(DecoderLM):

@@ -19,8 +19,34 @@ from torch import Tensor, nn
 
 from meshrl.models.common import fused_decode
 from meshrl.models.common.attention import AttentionContext, CausalAttention, OutputHead
+from meshrl.models.common.ffn import FeedForward
 from meshrl.models.common.init import InitRules, init_parameters
 from meshrl.models.common.norm import RMSNorm
+
+
+class DenseBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)) with a SwiGLU `FeedForward`. The unit
+    FSDP2 wraps. Families with this block (Qwen3, Llama 3) subclass it and build their attention."""
+
+    def __init__(self, dim: int, hidden_dim: int, norm_eps: float, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        # x: (B, T, dim) -> (B, T, dim)
+        h, n = self.ffn_norm.add_forward(x, self.attention(self.attention_norm(x), cos, sin, attn))
+        return h + self.feed_forward(n)
+
+    def forward_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor,
+                        attn: AttentionContext) -> tuple[Tensor, Tensor]:
+        """forward(x + pending) as (h, ffn out), the two terms of its sum, left for the next norm to add
+        in its kernel (DecoderLM.hidden under the decode fusions; the same math)."""
+        x, n = (x, self.attention_norm(x)) if pending is None else self.attention_norm.add_forward(x, pending)
+        h, n = self.ffn_norm.add_forward(x, self.attention(n, cos, sin, attn))
+        return h, self.feed_forward(n)
 
 
 class DecoderLM(nn.Module):
