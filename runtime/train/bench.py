@@ -86,7 +86,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="comma-separated LoRA target modules (HF or our names)")
     p.add_argument("--profile", action="store_true",
-                   help="after the measured steps, profile one more step and print the top kernels (rank 0)")
+                   help="after the measured steps, profile one more step and print the top kernels and host ops (rank 0)")
     return p.parse_args(argv)
 
 
@@ -275,7 +275,8 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
 
 
 def _profile(trainer, rows: list, tokens: int, cuda: bool, rank: int) -> None:
-    """One more step under the torch profiler; rank 0 prints the top kernels to stderr."""
+    """One more step under the torch profiler; rank 0 prints the top kernels to stderr and, on CUDA,
+    the top host operations too (a step whose device idles is bound by them)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -284,8 +285,9 @@ def _profile(trainer, rows: list, tokens: int, cuda: bool, rank: int) -> None:
         if cuda:
             torch.cuda.synchronize()
     if rank == 0:
-        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
+        averages = prof.key_averages()
+        for key in ("self_cuda_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",):
+            print(averages.table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:
