@@ -2,7 +2,7 @@
 
     python benchmarks/trl_compare.py [--repeats 2] [--steps 20] [--out FILE.jsonl]
                                      [--meshrl-arg=--trainer.micro-batch-tokens=256 ...]
-                                     [--variant=--trainer.share-prompts=false ...]
+                                     [--variant=--trainer.overlap-rollout=false ...]
 
 Both frameworks start from the same weights (a fresh `tiny` char-level Qwen3, 0.8M parameters,
 saved once as an HF folder with its tokenizer), see the same prompts in the same order
@@ -20,8 +20,10 @@ Each run is a fresh process; runs alternate (TRL, meshrl, [each --variant,] TRL,
 machine's load hits both alike. Printed per run (one JSON line): `rl_s` = the RL phase (TRL:
 `trainer.train()`; meshrl: the sum of its steps' `time/step_s`), `samples_per_s` = steps x 64 /
 rl_s, `wall_s` = the whole process (imports, start-up, model load), the reward of the first and last
-steps, and for meshrl the trainer's seconds (`train_s`) and the mean fraction of the unshared
-packing's tokens that shared-prompt packing saved (`prompt_shared_fraction`). Then a summary line:
+steps, and for meshrl the trainer's seconds (`train_s`; `train_tail_s`: those after each step's last
+rollout, all of them without `trainer.overlap_rollout`), the mean TRAIN messages per step
+(`train_parts_mean`: 1 = nothing overlapped) and the mean fraction of the unshared packing's tokens
+that shared-prompt packing saved (`prompt_shared_fraction`). Then a summary line:
 the median rl_s of each framework and meshrl's samples/s over TRL's.
 Nothing is asserted; docs/benchmarks.md records runs.
 """
@@ -107,6 +109,8 @@ def run_meshrl(start: Path, steps: int, prompts: int, samples: int, max_tokens: 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rl_s": sum(r["time/step_s"] for r in rows), "reward_first": rows[0]["reward/mean"],
             "reward_last": rows[-1]["reward/mean"], "train_s": sum(r["time/train_s"] for r in rows),
+            "train_tail_s": sum(r.get("time/train_tail_s", r["time/train_s"]) for r in rows),
+            "train_parts_mean": statistics.mean(r.get("batch/train_parts", 1) for r in rows),
             "prompt_shared_fraction": statistics.mean(r.get("tokens/prompt_shared_fraction", 0.0) for r in rows),
             "flags": extra}
 

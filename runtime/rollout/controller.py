@@ -441,7 +441,7 @@ class Controller:
             "rollouts/failed": state.failed,
             "rollouts/truncated_fraction": truncated / total,
             "rollouts/completion_len_mean": statistics.fmean(lengths) if lengths else 0.0,
-            "time/rollout_s": time.perf_counter() - state.dispatched_at,
+            "time/rollout_s": (state.done_at or time.perf_counter()) - state.dispatched_at,  # to its last rollout
             "tokens/rollout_per_s": self._rollout_rate(state),
             **env_stats(state, getattr(self.env, "name", "env")),
         }
