@@ -130,6 +130,14 @@ def _sampled_tokens(r: Rollout) -> int:
     return sum(r.mask) if r.mask is not None else len(r.token_ids)
 
 
+def _generating(where: dict, step: int) -> bool:
+    """Some turn of training step `step` is queued for or on an engine, so its rollouts are not all
+    generated. Once they are, only scoring remains (milliseconds): a part sent then would hold the
+    step's last part back until it is trained, and the step would wait for it (trl_compare: ~0.25 s a
+    step, docs/benchmarks.md 2026-12-02), so overlap trains parts only while generation goes on."""
+    return any(key[0] == "train" and key[1] == step for key in where.values())
+
+
 def group_samples(group: Group, ok: list[Rollout], cfg: AdvantageConfig,
                   max_tokens: int) -> tuple[list[Sample], str | None, int]:
     """One group's training samples from its rollouts that did not fail (``ok``), why the group was
@@ -377,7 +385,7 @@ class Controller:
             return
         state = self.steps[step]
         if state.pending:  # trainer.overlap_rollout: train the groups that have finished (runtime/rollout/feed.py)
-            ready = state.finished_groups() if self.feed.overlap else []
+            ready = state.finished_groups() if self.feed.overlap and _generating(self.where, step) else []
             if ready:
                 kept = [s for g in ready for s in self._group_kept(state.groups[g])]
                 self.feed.send_part(step, state.parts, ready, kept)

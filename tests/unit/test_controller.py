@@ -127,9 +127,13 @@ def test_overlap_sends_finished_groups_as_parts_and_the_step_count_last(tmp_path
     prompt = tok.encode(ex.prompt, add_special_tokens=False)
     texts = [["good", "bad", "bad", "good"], ["bad", "good", "bad", "bad"]]
     ctl.steps[0] = StepState([Group(ex, prompt, [None] * 4) for _ in texts], time.perf_counter(), pending=8)
+    for g in range(2):  # every turn with an engine (request id -> episode key)
+        for j in range(4):
+            ctl.where[10 * g + j] = ("train", 0, g, j)
 
     def finish(g, j):
-        ctl.steps[0].groups[g].rollouts[j] = rollout(tok, texts[g][j])
+        ctl.where.pop(10 * g + j)  # generated
+        ctl.steps[0].groups[g].rollouts[j] = rollout(tok, texts[g][j])  # and scored
         ctl.steps[0].pending -= 1
 
     for j in range(3):
@@ -170,3 +174,23 @@ def test_without_overlap_a_step_is_one_train_message(tmp_path):
     ctl._maybe_train()
     (_, batches, n, scale), = sent
     assert n == 18 + 17 and scale is None and ctl._pending_stats["batch/train_parts"] == 1
+
+
+def test_overlap_sends_no_part_once_only_scoring_remains(tmp_path):
+    """Every rollout generated, some not scored yet: the groups already scored wait for the last part
+    (a part then would make the step wait for it), and go with the others."""
+    ctl, tok = make_controller(tmp_path)
+    sent = []
+    ctl.feed._send = lambda step, batches, n, scale: sent.append((step, batches, n, scale))
+    ex = Example(0, "abc\n", "cba", {})
+    prompt = tok.encode(ex.prompt, add_special_tokens=False)
+    ctl.steps[0] = StepState([Group(ex, prompt, [rollout(tok, t) for t in ("good", "bad", "bad", "bad")]),
+                              Group(ex, prompt, [None] * 4)], time.perf_counter(), pending=4)
+    ctl._maybe_train()
+    assert sent == []  # group 0 is complete, but group 1 is only being scored (nothing in ctl.where)
+    ctl.where[7] = ("train", 1, 0, 0)  # a turn of the next step on an engine does not count
+    ctl._maybe_train()
+    assert sent == []
+    ctl.where[8] = ("train", 0, 1, 3)  # one of this step's turns still generating: group 0 goes now
+    ctl._maybe_train()
+    assert len(sent) == 1 and sent[0][2] is None
