@@ -12,7 +12,9 @@ the group scored: advantages need the whole group) while the engines still gener
 
 A part goes out only when the trainer has answered PART_TRAINED for the one before (a TRAIN sent to
 a busy trainer would block the controller: transport.send waits for the receiver), so parts grow
-when the trainer is the slower side. The parts' losses divide by one provisional normaliser
+when the trainer is the slower side, and only while some of the step's turns are still generating
+(the controller's `_generating`): once only scoring remains, the last part comes within
+milliseconds, and a part sent then would make it wait. The parts' losses divide by one provisional normaliser
 (`provisional_scale`), the same on every rank, because FSDP sums the ranks' gradients as they are;
 the last part carries the step's real normaliser and the trainer rescales the gradients to it once
 (runtime/train/trainer.py: `accumulate_rl`). The losses are linear in 1 / normaliser, so the update
