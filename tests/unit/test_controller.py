@@ -194,3 +194,11 @@ def test_overlap_sends_no_part_once_only_scoring_remains(tmp_path):
     ctl.where[8] = ("train", 0, 1, 3)  # one of this step's turns still generating: group 0 goes now
     ctl._maybe_train()
     assert len(sent) == 1 and sent[0][2] is None
+
+
+def test_sleep_while_training_turns_overlap_off(tmp_path):
+    """The trainer steps in the memory the sleeping engine frees: no part may train beside the engine."""
+    cfg = RLConfig(model=ModelConfig(flavor="debug", tokenizer="char"), max_off_policy_steps=0,
+                   layout={"colocate": True}, inference={"sleep_while_training": True}, log={"console": False})
+    ctl = Controller(cfg, layout=None, env=FlakyEnv(), tokenizer=build_char_tokenizer(), run_dir=tmp_path)
+    assert cfg.trainer.overlap_rollout and not ctl.feed.overlap
