@@ -278,8 +278,9 @@ class TrainerConfig(Base):
     (forward + backward, gradients accumulating); the optimizer step comes once all are in, so the update
     is the step's without overlap, up to float reassociation (losses divide by a provisional normaliser
     and the gradients are rescaled to the step's loss-token count at the end; docs/architecture.md,
-    "Overlapped training"). Not with inference.sleep_while_training (the trainer then needs the engine's
-    memory), where it is ignored."""
+    "Overlapped training"). Which groups share a part depends on timing, so two runs agree up to float
+    reassociation only; off for bit-identical reruns. Not with inference.sleep_while_training (the trainer
+    then needs the engine's memory), where it is ignored."""
     logprob_chunk_tokens: int = Field(4096, ge=1)
     """Tokens per chunk of the LM head + logprob computation (bounds the logits held at once: one chunk's
     input-dtype logits with the fused kernels on CUDA, also its fp32 temporaries on the torch path)."""

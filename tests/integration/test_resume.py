@@ -35,6 +35,9 @@ name = "reverse-text"
 seed = 1
 [trainer]
 micro_batch_tokens = 256
+# the two runs must agree to the bit: overlap's parts depend on timing, and reassociated gradient
+# sums under AdamW eps 1e-8 may drift past the tolerance below (as in tests/integration/test_colocate.py)
+overlap_rollout = false
 [trainer.optim]
 lr = 1e-3
 [inference]
