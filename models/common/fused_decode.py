@@ -46,8 +46,8 @@ def _triton_importable() -> bool:
 
 def enabled(x: Tensor) -> bool:
     """Whether the decode fusions serve this activation (module docstring)."""
-    if not torch.is_inference_mode_enabled():
-        return False
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return False  # compiled code is the trainer's (and dynamo would break its graph on the mode query)
     forced = os.environ.get("MESHRL_FUSED_DECODE")
     if forced in ("0", "1"):  # forced on: CUDA, or the CPU where triton interprets (never meta tensors)
         runs = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
