@@ -142,6 +142,22 @@ def test_model_head_matches_logits_path(tie):
         torch.testing.assert_close(ours[2][name], ref[2][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def head_peak_bytes(weight: torch.Tensor, N: int, chunk: int, gen: torch.Generator) -> tuple:
+    """The chunked head's forward and backward over N random bf16 tokens on CUDA -> (peak bytes
+    allocated above the start, hidden, targets, logprobs, entropy)."""
+    V, dim = weight.shape
+    hidden = torch.randn(1, N, dim, device="cuda", generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (1, N), device="cuda", generator=gen)
+    weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, 1.0, chunk_tokens=chunk)
+    logprobs.sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - baseline, hidden, targets, logprobs, entropy
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_peak_memory_bounded_on_cuda():
@@ -153,16 +169,7 @@ def test_peak_memory_bounded_on_cuda():
     weight = (0.05 * torch.randn(V, dim, device="cuda", generator=gen)).bfloat16().requires_grad_()
 
     def peak_bytes(N: int) -> int:
-        hidden = torch.randn(1, N, dim, device="cuda", generator=gen).bfloat16().requires_grad_()
-        targets = torch.randint(0, V, (1, N), device="cuda", generator=gen)
-        weight.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-        logprobs, entropy = chunked_token_logprobs(hidden, weight, targets, 1.0, chunk_tokens=chunk)
-        logprobs.sum().backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - baseline
+        peak, hidden, targets, logprobs, entropy = head_peak_bytes(weight, N, chunk, gen)
         ref_logprobs, ref_entropy = token_logprobs(F.linear(hidden, weight), targets, 1.0)
         torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(entropy, ref_entropy, rtol=1e-3, atol=1e-3)

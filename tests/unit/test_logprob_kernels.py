@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from meshrl.runtime.train import logprob_head, logprob_kernels
 from meshrl.runtime.train.logprob_head import chunked_token_logprobs
 from meshrl.runtime.train.losses import token_logprobs
+from tests.unit.test_logprob_head import head_peak_bytes
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICES = [pytest.param("interpret", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs triton")),
@@ -157,16 +158,7 @@ def test_fused_peak_memory_is_the_input_dtype_logits(monkeypatch):
     weight = (0.05 * torch.randn(V, dim, device="cuda", generator=gen)).bfloat16().requires_grad_()
 
     def peak_bytes() -> int:
-        hidden = torch.randn(1, N, dim, device="cuda", generator=gen).bfloat16().requires_grad_()
-        targets = torch.randint(0, V, (1, N), device="cuda", generator=gen)
-        weight.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-        logprobs, _ = chunked_token_logprobs(hidden, weight, targets, 1.0, chunk_tokens=chunk)
-        logprobs.sum().backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - baseline
+        return head_peak_bytes(weight, N, chunk, gen)[0]
 
     peak_bytes()  # warm-up: cuBLAS workspaces are allocated on first use
     peak = peak_bytes()
