@@ -218,9 +218,7 @@ class Trainer:
                                                                      device=self.device))
         if num_loss_tokens > 0 and acc.scale != num_loss_tokens:
             factor = acc.scale / num_loss_tokens
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], factor)
             acc.sums[_STAT_KEYS.index("aux_loss_sum")] *= factor  # the aux loss is weighted by 1 / scale too
         grad_norm = self._optimizer_step(skip=num_loss_tokens == 0)
         out = self._reduce(acc.sums)
