@@ -218,7 +218,9 @@ class Trainer:
                                                                      device=self.device))
         if num_loss_tokens > 0 and acc.scale != num_loss_tokens:
             factor = acc.scale / num_loss_tokens
-            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], factor)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor)
             acc.sums[_STAT_KEYS.index("aux_loss_sum")] *= factor  # the aux loss is weighted by 1 / scale too
         grad_norm = self._optimizer_step(skip=num_loss_tokens == 0)
         out = self._reduce(acc.sums)
