@@ -6,7 +6,8 @@
 # split (trainer on GPU 0, engine on GPU 1) and colocated (one GPU). One JSON line per run in
 # $OUT/overlap.jsonl: mean time/step_s, time/rollout_s, time/train_s, time/train_tail_s and
 # batch/train_parts over steps 2-7, and the reward of the last step (equal with overlap on and off,
-# up to sampling flips from float reassociation). Logs in $OUT/<name>.log. Not yet run on a GPU.
+# up to sampling flips from float reassociation). Logs in $OUT/<name>.log. With one GPU only the
+# colocated runs; OVERLAP_ROUNDS (default 2) sets the rounds.
 # On the GPU host: carry .whl (../shared/gpu-host/README.md), then `bash benchmarks/gpu/overlap.sh`.
 set -u
 source "$(dirname "$0")/host_env.sh"
@@ -34,9 +35,12 @@ PY
   tail -n 1 "$OUT/overlap.jsonl"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
-for r in 0 1; do
-  run "split-on-$r" --layout.colocate false --trainer.overlap-rollout true
-  run "split-off-$r" --layout.colocate false --trainer.overlap-rollout false
+gpus=$(nvidia-smi -L | wc -l)
+for r in $(seq 0 $(( ${OVERLAP_ROUNDS:-2} - 1 ))); do
+  if [ "$gpus" -ge 2 ]; then  # the split layout needs a trainer GPU and an inference GPU
+    run "split-on-$r" --layout.colocate false --trainer.overlap-rollout true
+    run "split-off-$r" --layout.colocate false --trainer.overlap-rollout false
+  fi
   run "colocated-on-$r" --layout.colocate true --trainer.overlap-rollout true
   run "colocated-off-$r" --layout.colocate true --trainer.overlap-rollout false
 done

@@ -30,7 +30,13 @@ def _triton_ok() -> bool:
 
 
 def use_fused(x: Tensor) -> bool:
-    """Whether the fused kernels serve this activation (see the module docstring)."""
+    """Whether the fused kernels serve this activation (see the module docstring).
+
+    False while compiling, asked first: compiled code is the trainer's, and on torch 2.11 dynamo
+    breaks the graph on the inference-mode query, which on CUDA split every compiled block at each
+    norm, RoPE and SwiGLU."""
+    if torch.compiler.is_compiling():
+        return False
     return x.is_cuda and torch.is_inference_mode_enabled() and _triton_ok()
 
 
