@@ -1,11 +1,15 @@
 """The native engine's model runner: every forward of the model and every copy between host and
 device. It decides nothing; runtime/engine/scheduler.py chooses what each forward computes.
 
-- prefill    one eager forward of the prefill set (right-padded (B, T); SDPA without its cuDNN
+- prefill    one forward of the prefill set (right-padded (B, T); SDPA without its cuDNN
              backend, see `_PREFILL_SDPA`): tokens, block tables,
              start positions and lengths go to the device in one host array and one copy, and
              positions and slots are derived there (no per-token Python); the logits of the rows
-             whose prompt is done.
+             whose prompt is done. On CUDA a small fresh prefill (no cached tokens, at most
+             `_PREFILL_GRAPH_ROWS[-1]` rows of `_PREFILL_GRAPH_TOKENS[-1]` tokens) replays a graph
+             captured per padded (rows, tokens) bucket: eagerly, such a forward is bound by the
+             host launching its ~15 kernels per layer (continuous refill prefills one or two new
+             requests at a time). Larger or cached-prefix prefills run eagerly.
 - decode     one forward of the decode set, one token per row, over persistent device buffers
              (`DecodeRows`: token, position, slot, sampling counter, block table, context length
              per row). On CUDA a captured graph per (bucketed batch, bucketed block count,
@@ -26,6 +30,7 @@ the right storages.
 
 from __future__ import annotations
 
+import os
 from array import array
 from typing import Callable, Literal
 
@@ -46,6 +51,14 @@ from meshrl.runtime.engine.sequence import Sequence
 # nearly every step's (B, T) was new (continuous refill: 0.6B refill workload 3.9k -> 9.7k tok/s,
 # docs/benchmarks.md 2026-12-02), consistent with a plan built per new shape.
 _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+# The padded (rows, tokens) a fresh prefill graph is captured for: rows and tokens round up to the
+# next entry (tokens by ~1.5x steps, so padding at most half the row), and a bucket holds at most
+# _PREFILL_GRAPH_MAX_TOKENS tokens. MESHRL_PREFILL_GRAPHS=0 turns them off (to compare).
+_PREFILL_GRAPH_ROWS = (1, 2, 4, 8)
+_PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_PREFILL_GRAPH_MAX_TOKENS = 2048
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
@@ -129,6 +142,10 @@ class ModelRunner:
             else None
         self._buckets = _batch_buckets(max_num_seqs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # fresh prefill graphs by padded (rows, tokens): (graph, its input buffer, its hidden output)
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # On CUDA with graphs, unless MESHRL_PREFILL_GRAPHS=0; CPU tests set it to run the emulation.
+        self.graph_prefill = cuda_graphs and device.type == "cuda" and os.environ.get("MESHRL_PREFILL_GRAPHS") != "0"
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.static_sampling = StaticSamplingBatch(max_num_seqs, device) if cuda_graphs else None
         self._host_out = [torch.empty((2, max_num_seqs), dtype=torch.float64, pin_memory=True)
@@ -141,22 +158,61 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
 
     def prefill_forward(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """One eager forward of the prefill rows (sequence, tokens to compute now) -> hidden (B, T, dim)."""
-        bs, device = self.block_size, self.device
+        """One forward of the prefill rows (sequence, tokens to compute now) -> hidden (B, T, dim):
+        a captured graph's output for a small fresh prefill on CUDA (module docstring), else eager.
+        A graph's output is overwritten by its next replay: read it before the next prefill."""
         B, T = len(rows), max(n for _, n in rows)
-        nb = max(len(seq.table) for seq, _ in rows)
-        # Right-padded tokens, padded block tables, start positions and lengths in one host array
-        # and one copy; positions and slots are derived on the device (no per-token Python).
+        fresh = all(seq.num_computed == 0 for seq, _ in rows)
+        key = self._prefill_graph_key(B, T) if fresh and self.graph_prefill and self.states is None else None
+        if key is None:
+            nb = max(len(seq.table) for seq, _ in rows)
+            dev = torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long).to(self.device,
+                                                                                                non_blocking=True)
+            return self._prefill_hidden(dev, B, T, nb, fresh, rows)
+        Bp, Tp = key
+        if key not in self.prefill_graphs:
+            self._capture_prefill(Bp, Tp)
+        graph, inputs, hidden = self.prefill_graphs[key]
+        inputs.copy_(torch.frombuffer(self._prefill_inputs(rows, Bp, Tp, -(-Tp // self.block_size)), dtype=torch.long),
+                     non_blocking=True)
+        graph.replay()
+        return hidden[:B, :T]
+
+    @staticmethod
+    def _prefill_graph_key(B: int, T: int) -> tuple[int, int] | None:
+        """The padded (rows, tokens) of a prefill graph for B rows of up to T tokens, or None (eager)."""
+        Bp = next((b for b in _PREFILL_GRAPH_ROWS if b >= B), None)
+        Tp = next((t for t in _PREFILL_GRAPH_TOKENS if t >= T), None)
+        if Bp is None or Tp is None or Bp * Tp > _PREFILL_GRAPH_MAX_TOKENS:
+            return None
+        return Bp, Tp
+
+    @staticmethod
+    def _prefill_inputs(rows: list[tuple[Sequence, int]], B: int, T: int, nb: int) -> array:
+        """The host array of a prefill padded to B rows of T tokens and nb table blocks: tokens
+        (B, T), block tables (B, nb), start positions (B,), lengths (B,). Pad rows and pad tokens are
+        token 0 and the null block, pad rows start at 0 with length 0; a table longer than nb blocks
+        keeps its first nb (a graph's rows reach no further)."""
         pad = [0] * max(T, nb)
         host = array("q")
         for seq, n in rows:
             host.extend(seq.tokens[seq.num_computed:seq.num_computed + n])
             host.extend(pad[:T - n])
+        host.extend(pad[:T] * (B - len(rows)))
         for seq, _ in rows:
-            host.extend(seq.table)
-            host.extend(pad[:nb - len(seq.table)])  # NULL_BLOCK
-        host.extend([seq.num_computed for seq, _ in rows] + [n for _, n in rows])
-        dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
+            table = seq.table[:nb]
+            host.extend(table)
+            host.extend(pad[:nb - len(table)])  # NULL_BLOCK
+        host.extend(pad[:nb] * (B - len(rows)))
+        host.extend([seq.num_computed for seq, _ in rows] + pad[:B - len(rows)] + [n for _, n in rows]
+                    + pad[:B - len(rows)])
+        return host
+
+    def _prefill_hidden(self, dev: torch.Tensor, B: int, T: int, nb: int, fresh: bool,
+                        rows: list[tuple[Sequence, int]] | None) -> torch.Tensor:
+        """The prefill forward from its device inputs (`_prefill_inputs`' layout) -> hidden (B, T, dim).
+        rows: the prefill rows (a model with recurrent states needs them; graphs pass None)."""
+        bs, device = self.block_size, self.device
         tokens = dev[:B * T].view(B, T)
         tables = dev[B * T:B * (T + nb)].view(B, nb)
         starts, lengths = dev[B * (T + nb):].view(2, B)
@@ -164,7 +220,6 @@ class ModelRunner:
         positions = starts[:, None] + offsets  # (B, T); pads continue their row's positions
         blocks = tables.gather(1, (positions // bs).clamp(max=nb - 1))
         slots = torch.where(offsets < lengths[:, None], blocks * bs + positions % bs, NULL_BLOCK)  # pads: null block
-        fresh = all(seq.num_computed == 0 for seq, _ in rows)
         if self.states is None:
             attn = PagedAttention(self.kv, slots, positions, tables.to(torch.int32), fresh=fresh)
         else:
@@ -175,6 +230,31 @@ class ModelRunner:
                                         lengths=[n for _, n in rows])
         with sdpa_kernel(_PREFILL_SDPA):
             return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
+
+    def _capture_prefill(self, B: int, T: int) -> None:
+        """Capture the fresh prefill forward of B rows of T tokens over a persistent input buffer.
+        The buffer starts as pad rows (every slot the null block), so the warm-up runs and the
+        capture write only the null block."""
+        nb = -(-T // self.block_size)
+        inputs = torch.zeros(B * (T + nb) + 2 * B, dtype=torch.long, device=self.device)
+
+        def step() -> torch.Tensor:
+            return self._prefill_hidden(inputs, B, T, nb, True, None)
+
+        if self.device.type != "cuda":  # tests exercise the padding and buffer logic on CPU
+            graph = _EmulatedGraph(lambda: (step(),))
+            self.prefill_graphs[(B, T)] = (graph, inputs, graph.out[0])
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the triton kernels, create cuBLAS workspaces: outside the capture
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            hidden = step()
+        self.prefill_graphs[(B, T)] = (graph, inputs, hidden)
 
     def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
                        samplers: list[Sequence]) -> tuple[list[int], list[float]]:
@@ -303,8 +383,9 @@ class ModelRunner:
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and its memory pool (the engine's KV cache is being freed:
-        the graphs hold its addresses); the next decode launches capture again."""
+        the graphs hold its addresses); the next decode launches and small prefills capture again."""
         self.graphs.clear()
+        self.prefill_graphs.clear()
         if self._graph_pool is not None:
             self._graph_pool = torch.cuda.graph_pool_handle()
 

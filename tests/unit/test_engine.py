@@ -514,6 +514,50 @@ def test_graph_path_gives_the_same_completions_as_eager():
         assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded batches round differently
 
 
+def test_prefill_graphs_give_the_same_completions_as_eager():
+    """Small fresh prefills replay a graph per padded (rows, tokens) bucket (emulated on CPU): pad
+    rows, pad tokens, truncated block tables and one persistent input buffer per bucket. With
+    requests arriving over time (one to three new ones a step, some n=2, a prompt longer than the
+    largest bucket's share, chunked by the prefill budget), a cached-prefix continuation (eager)
+    and graphs dropped by sleep halfway, the completions are those of the eager prefill."""
+    def run(engine: NativeEngine, graphs: bool) -> list:
+        engine.runner.graph_prefill = graphs
+        rng = random.Random(5)
+        out, prompts = [], {}
+        for step in range(50):
+            if step == 25:
+                out += [(c.request_id, c.index, c.token_ids, c.logprobs) for c in drain(engine)]
+                engine.sleep()
+                engine.wake()
+            if step < 40 and step % 2 == 0:
+                for _ in range(rng.randint(1, 3)):
+                    rid = 1000 * step + rng.randrange(1000)
+                    prompt = prompts[rid] = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
+                    sampling = rng.choice([SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8)),
+                                           SamplingParams(temperature=1.0, seed=rid, n=2, max_tokens=5)])
+                    engine.add(Request(rid, prompt, sampling))
+            out += [(c.request_id, c.index, c.token_ids, c.logprobs) for c in engine.step()]
+        out += [(c.request_id, c.index, c.token_ids, c.logprobs) for c in drain(engine)]
+        # a continuation of a finished request's prompt + completion: its prefix is cached (not fresh)
+        first = max(out, key=lambda c: len(prompts[c[0]]))
+        engine.add(Request(99_999, prompts[first[0]] + first[2] + [1, 2], SamplingParams(max_tokens=4)))
+        return sorted(out + [(c.request_id, c.index, c.token_ids, c.logprobs) for c in drain(engine)])
+
+    model = tiny_model()
+    plain = run(emulate_cuda_graphs(make_engine(model, max_num_seqs=7, max_model_len=128, max_num_batched_tokens=64)),
+                graphs=False)
+    engine = emulate_cuda_graphs(make_engine(model, max_num_seqs=7, max_model_len=128, max_num_batched_tokens=64))
+    captured = []
+    capture = engine.runner._capture_prefill
+    engine.runner._capture_prefill = lambda B, T: (captured.append((B, T)), capture(B, T))
+    graphed = run(engine, graphs=True)
+    assert len(set(captured)) >= 3 and len(captured) > len(set(captured))  # several buckets, again after sleep
+    assert all(B in (1, 2, 4, 8) and T in (16, 32, 48, 64, 96, 128) for B, T in captured)
+    assert [x[:3] for x in graphed] == [x[:3] for x in plain]
+    for a, b in zip(graphed, plain):
+        assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded rows round differently
+
+
 # ------------------------------------------------------------------------------- GPU
 
 
@@ -558,6 +602,32 @@ def test_cuda_graph_decode_equals_eager_decode(attention):
     for a, b in zip(eager, graphed):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefill_graphs_equal_eager_prefill():
+    """Small fresh prefills replaying captured graphs (padded rows and tokens) give what eager
+    prefills give, in fp32: prompts of 1-70 tokens arriving one to three at a time."""
+    def run(graphs: bool) -> tuple[list, NativeEngine]:
+        engine = cuda_engine(tiny_model(), torch.float32, cuda_graphs=True, max_model_len=128)
+        engine.runner.graph_prefill = graphs
+        rng, out = random.Random(7), []
+        for step in range(40):
+            if step < 30 and step % 2 == 0:
+                for _ in range(rng.randint(1, 3)):
+                    rid = 1000 * step + rng.randrange(1000)
+                    prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
+                    engine.add(Request(rid, prompt, SamplingParams(temperature=1.0, seed=rid, max_tokens=6)))
+            out += [(c.request_id, c.token_ids, c.logprobs) for c in engine.step()]
+        return sorted(out + [(c.request_id, c.token_ids, c.logprobs) for c in drain(engine)]), engine
+
+    eager, _ = run(False)
+    graphed, engine = run(True)
+    assert engine.runner.prefill_graphs, "no prefill graph was captured"
+    assert [x[:2] for x in graphed] == [x[:2] for x in eager]
+    for a, b in zip(graphed, eager):
+        assert a[2] == pytest.approx(b[2], abs=1e-4)
 
 
 @pytest.mark.gpu
