@@ -1,6 +1,10 @@
-"""The native engine with the decode fusions on and off, in one process (issue 18), then a profile of refill.
+"""The native engine with one switch on and off, in one process (issue 18), then a profile of refill.
 
-    python3 benchmarks/gpu/engine_ab.py [rounds, default 2]
+    python3 benchmarks/gpu/engine_ab.py [rounds, default 2] [fused_decode|prefill_graphs, default fused_decode]
+
+The switch: `fused_decode` (MESHRL_FUSED_DECODE, the decode fusions) or `prefill_graphs` (the
+runner's graphs for small fresh prefills, `ModelRunner.graph_prefill`; MESHRL_PREFILL_GRAPHS at
+start-up).
 
 Builds the Qwen3-0.6B engine (random weights, bf16) as `meshrl bench engine --compare vllm` does
 (runtime/engine/bench_matrix.py: max_num_seqs 512, max_model_len 4352, prefix sharing, CUDA graphs)
@@ -19,6 +23,8 @@ from meshrl.runtime.engine import bench_matrix as bm
 
 OUT = os.environ.get("OUT", ".")
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+switch = sys.argv[2] if len(sys.argv) > 2 else "fused_decode"
+assert switch in ("fused_decode", "prefill_graphs"), switch
 fam = get_family("qwen3"); args = fam.flavors["0.6B"]
 with torch.device("meta"):
     model = fam.model_cls(args)
@@ -29,17 +35,21 @@ driver = bm.NativeDriver(engine, 0)
 rows = []
 for r in range(rounds):
     for fused in ("1", "0"):
-        os.environ["MESHRL_FUSED_DECODE"] = fused
+        if switch == "fused_decode":
+            os.environ["MESHRL_FUSED_DECODE"] = fused
+        else:
+            engine.runner.graph_prefill = fused == "1"
         engine.runner.drop_graphs(); torch.cuda.synchronize()
         bm.warm_up(driver, engine.vocab_size, 512)
         for wl in ("plain_8", "plain_64", "plain_256", "refill"):
             res = bm.drive(driver, bm.make_workload(wl, engine.vocab_size))
-            row = {"round": r, "fused_decode": int(fused), "workload": wl, "tokens_per_s": round(res["tokens_per_s"]),
+            row = {"round": r, switch: int(fused), "workload": wl, "tokens_per_s": round(res["tokens_per_s"]),
                    "decode_step_ms": round(res["decode_step_ms"], 3), "ttft_s": round(res["ttft_s"], 3)}
             rows.append(row); print(json.dumps(row), flush=True)
 with open(f"{OUT}/engine_ab.jsonl", "w") as f:
     f.write("".join(json.dumps(r) + "\n" for r in rows))
-os.environ.pop("MESHRL_FUSED_DECODE")
+os.environ.pop("MESHRL_FUSED_DECODE", None)
+engine.runner.graph_prefill = True
 engine.runner.drop_graphs(); bm.warm_up(driver, engine.vocab_size, 512)
 orig, pre, dec, prof = driver.step, [], [], {"p": None}
 

@@ -286,9 +286,20 @@ def drive(driver: Any, w: Workload) -> dict:
 
 def warm_up(driver: Any, vocab_size: int, num_seqs: int, max_tokens: int | None = None) -> None:
     """num_seqs prompts of 16 tokens; sample j runs for j + 1 tokens (or max_tokens), so the batch
-    shrinks by one per step and every decode graph bucket is captured before any timed row."""
+    shrinks by one per step and every decode graph bucket is captured before any timed row. Then
+    for the native engine, one and two prompts of each prefill-graph length
+    (runtime/engine/runner.py), alone, so that its graphs for small prefills (continuous refill's)
+    are captured too."""
     prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
     drive(driver, Workload("warmup", prompts, [max_tokens or j + 1 for j in range(num_seqs)]))
+    if driver.name != "native":
+        return
+    from meshrl.runtime.engine.runner import _PREFILL_GRAPH_TOKENS
+
+    for length in _PREFILL_GRAPH_TOKENS:
+        for rows in (1, 2):
+            prompts = [[(11 * j + 3 * k + length) % vocab_size for k in range(length)] for j in range(rows)]
+            drive(driver, Workload("warmup", prompts, [2] * rows))
 
 
 # ----------------------------------------------------------------------------- one shape, one engine
