@@ -359,18 +359,29 @@ def document_cu_seqlens(doc_ids: Tensor) -> tuple[Tensor, int]:
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+# torch's varlen kernel and its parameter names, resolved on first use outside compiled code
+# (`VarlenDocumentAttention` does it when built) and only read after: on torch 2.11 dynamo breaks
+# the graph on `importlib.util.find_spec`, and it traces through functools.cache wrappers, so a
+# cached lookup would still split every compiled block at its attention.
+_VARLEN: dict[str, Any] = {}
+
+
 def _torch_varlen_attn() -> Any:
     """torch.nn.attention.varlen.varlen_attn, or None on a torch without it (before 2.10)."""
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return None
-    from torch.nn.attention.varlen import varlen_attn
+    if "fn" not in _VARLEN:
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            _VARLEN["fn"] = None
+        else:
+            from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn
+            _VARLEN["fn"] = varlen_attn
+    return _VARLEN["fn"]
 
 
-@functools.cache
 def _torch_varlen_params() -> frozenset[str]:
-    return frozenset(inspect.signature(_torch_varlen_attn()).parameters)
+    if "params" not in _VARLEN:
+        _VARLEN["params"] = frozenset(inspect.signature(_torch_varlen_attn()).parameters)
+    return _VARLEN["params"]
 
 
 def _torch_varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int,
@@ -421,6 +432,8 @@ class VarlenDocumentAttention:
         self.doc_ids = doc_ids  # (1, T)
         self.kernel = kernel
         self._seqlens: tuple[Tensor, int] | None = None
+        if kernel == "torch" and _torch_varlen_attn() is not None:
+            _torch_varlen_params()  # resolved here, outside compiled code (see _VARLEN)
 
     def cu_seqlens(self, device: torch.device) -> tuple[Tensor, int]:
         """(cu_seqlens (num_docs + 1,) int32 on `device`, max doc length), computed once per forward."""
