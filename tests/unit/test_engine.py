@@ -610,7 +610,8 @@ def test_cuda_prefill_graphs_equal_eager_prefill():
     """Small fresh prefills replaying captured graphs (padded rows and tokens) give what eager
     prefills give, in fp32: prompts of 1-70 tokens arriving one to three at a time."""
     def run(graphs: bool) -> tuple[list, NativeEngine]:
-        engine = cuda_engine(tiny_model(), torch.float32, cuda_graphs=True, max_model_len=128)
+        engine = NativeEngine(tiny_model(), max_num_seqs=6, max_model_len=128, device="cuda", dtype=torch.float32,
+                              cuda_graphs=True)
         engine.runner.graph_prefill = graphs
         rng, out = random.Random(7), []
         for step in range(40):
