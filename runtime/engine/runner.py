@@ -5,11 +5,12 @@ device. It decides nothing; runtime/engine/scheduler.py chooses what each forwar
              backend, see `_PREFILL_SDPA`): tokens, block tables,
              start positions and lengths go to the device in one host array and one copy, and
              positions and slots are derived there (no per-token Python); the logits of the rows
-             whose prompt is done. On CUDA a small fresh prefill (no cached tokens, at most
-             `_PREFILL_GRAPH_ROWS[-1]` rows of `_PREFILL_GRAPH_TOKENS[-1]` tokens) replays a graph
-             captured per padded (rows, tokens) bucket: eagerly, such a forward is bound by the
-             host launching its ~15 kernels per layer (continuous refill prefills one or two new
-             requests at a time). Larger or cached-prefix prefills run eagerly.
+             whose prompt is done. On CUDA a small prefill (at most `_PREFILL_GRAPH_ROWS[-1]`
+             rows of `_PREFILL_GRAPH_TOKENS[-1]` tokens) replays a graph captured per padded
+             (rows, tokens) bucket, and, over a cached prefix (a multi-turn continuation), per
+             power-of-two block count too: eagerly, such a forward is bound by the host
+             launching its ~15 kernels per layer (continuous refill prefills one or two new
+             requests at a time). Larger prefills run eagerly.
 - decode     one forward of the decode set, one token per row, over persistent device buffers
              (`DecodeRows`: token, position, slot, sampling counter, block table, context length
              per row). On CUDA a captured graph per (bucketed batch, bucketed block count,
@@ -53,12 +54,16 @@ from meshrl.runtime.engine.sequence import Sequence
 _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-# The padded (rows, tokens) a fresh prefill graph is captured for: rows and tokens round up to the
-# next entry (tokens by ~1.5x steps, so padding at most half the row), and a bucket holds at most
-# _PREFILL_GRAPH_MAX_TOKENS tokens. MESHRL_PREFILL_GRAPHS=0 turns them off (to compare).
+# The padded (rows, tokens) a prefill graph is captured for: rows and tokens round up to the next
+# entry (tokens by ~1.5x steps, so padding at most half the row), and a bucket holds at most
+# _PREFILL_GRAPH_MAX_TOKENS tokens. Over a cached prefix the block count rounds up to a power of
+# two as well, and attention's (query, key) pairs, rows x tokens x blocks x block size, stay within
+# _PREFILL_GRAPH_MAX_PAIRS (the torch path holds their scores: the graph pool keeps that memory).
+# MESHRL_PREFILL_GRAPHS=0 turns them off (to compare).
 _PREFILL_GRAPH_ROWS = (1, 2, 4, 8)
 _PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _PREFILL_GRAPH_MAX_TOKENS = 2048
+_PREFILL_GRAPH_MAX_PAIRS = 1 << 19
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
@@ -142,8 +147,9 @@ class ModelRunner:
             else None
         self._buckets = _batch_buckets(max_num_seqs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        # fresh prefill graphs by padded (rows, tokens): (graph, its input buffer, its hidden output)
-        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # prefill graphs by (padded rows, padded tokens, table blocks, fresh): (graph, its input
+        # buffer, its hidden output)
+        self.prefill_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # On CUDA with graphs, unless MESHRL_PREFILL_GRAPHS=0; CPU tests set it to run the emulation.
         self.graph_prefill = cuda_graphs and device.type == "cuda" and os.environ.get("MESHRL_PREFILL_GRAPHS") != "0"
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -159,33 +165,38 @@ class ModelRunner:
 
     def prefill_forward(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
         """One forward of the prefill rows (sequence, tokens to compute now) -> hidden (B, T, dim):
-        a captured graph's output for a small fresh prefill on CUDA (module docstring), else eager.
+        a captured graph's output for a small prefill on CUDA (module docstring), else eager.
         A graph's output is overwritten by its next replay: read it before the next prefill."""
         B, T = len(rows), max(n for _, n in rows)
         fresh = all(seq.num_computed == 0 for seq, _ in rows)
-        key = self._prefill_graph_key(B, T) if fresh and self.graph_prefill and self.states is None else None
+        nb = max(len(seq.table) for seq, _ in rows)
+        key = self._prefill_graph_key(B, T, nb, fresh) if self.graph_prefill and self.states is None else None
         if key is None:
-            nb = max(len(seq.table) for seq, _ in rows)
             dev = torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long).to(self.device,
                                                                                                 non_blocking=True)
             return self._prefill_hidden(dev, B, T, nb, fresh, rows)
-        Bp, Tp = key
         if key not in self.prefill_graphs:
-            self._capture_prefill(Bp, Tp)
+            self._capture_prefill(*key)
         graph, inputs, hidden = self.prefill_graphs[key]
-        inputs.copy_(torch.frombuffer(self._prefill_inputs(rows, Bp, Tp, -(-Tp // self.block_size)), dtype=torch.long),
-                     non_blocking=True)
+        inputs.copy_(torch.frombuffer(self._prefill_inputs(rows, *key[:3]), dtype=torch.long), non_blocking=True)
         graph.replay()
         return hidden[:B, :T]
 
-    @staticmethod
-    def _prefill_graph_key(B: int, T: int) -> tuple[int, int] | None:
-        """The padded (rows, tokens) of a prefill graph for B rows of up to T tokens, or None (eager)."""
+    def _prefill_graph_key(self, B: int, T: int, nb: int, fresh: bool) -> tuple[int, int, int, bool] | None:
+        """The graph of B rows of up to T tokens whose longest block table has nb blocks, as
+        (padded rows, padded tokens, table blocks, fresh), or None (eager). A fresh prefill's table
+        is cut to the blocks its padded tokens reach; over a cached prefix, nb rounds up to a power
+        of two (at most a row's table width)."""
         Bp = next((b for b in _PREFILL_GRAPH_ROWS if b >= B), None)
         Tp = next((t for t in _PREFILL_GRAPH_TOKENS if t >= T), None)
         if Bp is None or Tp is None or Bp * Tp > _PREFILL_GRAPH_MAX_TOKENS:
             return None
-        return Bp, Tp
+        if fresh:
+            return Bp, Tp, -(-Tp // self.block_size), True
+        nbp = min(1 << (nb - 1).bit_length(), self.max_blocks)
+        if Bp * Tp * nbp * self.block_size > _PREFILL_GRAPH_MAX_PAIRS:
+            return None
+        return Bp, Tp, nbp, False
 
     @staticmethod
     def _prefill_inputs(rows: list[tuple[Sequence, int]], B: int, T: int, nb: int) -> array:
@@ -231,19 +242,18 @@ class ModelRunner:
         with sdpa_kernel(_PREFILL_SDPA):
             return self.model.hidden(tokens, positions, attn)  # (B, T, dim)
 
-    def _capture_prefill(self, B: int, T: int) -> None:
-        """Capture the fresh prefill forward of B rows of T tokens over a persistent input buffer.
-        The buffer starts as pad rows (every slot the null block), so the warm-up runs and the
-        capture write only the null block."""
-        nb = -(-T // self.block_size)
+    def _capture_prefill(self, B: int, T: int, nb: int, fresh: bool) -> None:
+        """Capture the prefill forward of B rows of T tokens and nb table blocks (fresh: no cached
+        tokens) over a persistent input buffer. The buffer starts as pad rows (every slot and
+        table entry the null block), so the warm-up runs and the capture write only the null block."""
         inputs = torch.zeros(B * (T + nb) + 2 * B, dtype=torch.long, device=self.device)
 
         def step() -> torch.Tensor:
-            return self._prefill_hidden(inputs, B, T, nb, True, None)
+            return self._prefill_hidden(inputs, B, T, nb, fresh, None)
 
         if self.device.type != "cuda":  # tests exercise the padding and buffer logic on CPU
             graph = _EmulatedGraph(lambda: (step(),))
-            self.prefill_graphs[(B, T)] = (graph, inputs, graph.out[0])
+            self.prefill_graphs[(B, T, nb, fresh)] = (graph, inputs, graph.out[0])
             return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -254,7 +264,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             hidden = step()
-        self.prefill_graphs[(B, T)] = (graph, inputs, hidden)
+        self.prefill_graphs[(B, T, nb, fresh)] = (graph, inputs, hidden)
 
     def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
                        samplers: list[Sequence]) -> tuple[list[int], list[float]]:

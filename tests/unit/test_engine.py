@@ -515,10 +515,10 @@ def test_graph_path_gives_the_same_completions_as_eager():
 
 
 def test_prefill_graphs_give_the_same_completions_as_eager():
-    """Small fresh prefills replay a graph per padded (rows, tokens) bucket (emulated on CPU): pad
-    rows, pad tokens, truncated block tables and one persistent input buffer per bucket. With
+    """Small prefills replay a graph per padded (rows, tokens[, blocks]) bucket (emulated on CPU):
+    pad rows, pad tokens, cut or padded block tables and one persistent input buffer per bucket. With
     requests arriving over time (one to three new ones a step, some n=2, a prompt longer than the
-    largest bucket's share, chunked by the prefill budget), a cached-prefix continuation (eager)
+    largest bucket's share, chunked by the prefill budget), a continuation over its cached prefix
     and graphs dropped by sleep halfway, the completions are those of the eager prefill."""
     def run(engine: NativeEngine, graphs: bool) -> list:
         engine.runner.graph_prefill = graphs
@@ -549,10 +549,11 @@ def test_prefill_graphs_give_the_same_completions_as_eager():
     engine = emulate_cuda_graphs(make_engine(model, max_num_seqs=7, max_model_len=128, max_num_batched_tokens=64))
     captured = []
     capture = engine.runner._capture_prefill
-    engine.runner._capture_prefill = lambda B, T: (captured.append((B, T)), capture(B, T))
+    engine.runner._capture_prefill = lambda *key: (captured.append(key), capture(*key))
     graphed = run(engine, graphs=True)
     assert len(set(captured)) >= 3 and len(captured) > len(set(captured))  # several buckets, again after sleep
-    assert all(B in (1, 2, 4, 8) and T in (16, 32, 48, 64, 96, 128) for B, T in captured)
+    assert all(B in (1, 2, 4, 8) and T in (16, 32, 48, 64, 96, 128) for B, T, _, _ in captured)
+    assert any(not fresh for *_, fresh in captured)  # the continuation over its cached prefix
     assert [x[:3] for x in graphed] == [x[:3] for x in plain]
     for a, b in zip(graphed, plain):
         assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded rows round differently
