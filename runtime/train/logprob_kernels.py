@@ -24,7 +24,7 @@ engine uses too, and the engine's sampler reads full logits with its own kernels
 (runtime/engine/). Only `triton_cdiv` comes from models/common/fused.py, which this layer may import.
 
 Switch, MESHRL_FUSED_LOGPROBS: unset, the kernels serve CUDA logits (bf16, fp16 or fp32) when
-triton is installed; =0 keeps the torch path (the reference; CPU always uses it unless forced);
+triton is installed and MESHRL_FUSED (every fused kernel's switch) is not 0; =0 keeps the torch path (the reference; CPU always uses it unless forced);
 =1 forces them on CUDA and, with TRITON_INTERPRET=1, on the CPU (the tests); never on other devices
 (meta tensors keep the torch path).
 """
@@ -61,7 +61,7 @@ def enabled(x: Tensor) -> bool:
     if forced in ("0", "1"):  # forced on: CUDA, or the CPU where triton interprets (never meta tensors)
         runs = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
         return forced == "1" and runs and _triton_importable()
-    return x.is_cuda and _triton_importable()
+    return x.is_cuda and os.environ.get("MESHRL_FUSED", "1") != "0" and _triton_importable()
 
 
 def _inv(temperature: float) -> float:
