@@ -248,22 +248,7 @@ class ModelRunner:
         table entry the null block), so the warm-up runs and the capture write only the null block."""
         inputs = torch.zeros(B * (T + nb) + 2 * B, dtype=torch.long, device=self.device)
 
-        def step() -> torch.Tensor:
-            return self._prefill_hidden(inputs, B, T, nb, fresh, None)
-
-        if self.device.type != "cuda":  # tests exercise the padding and buffer logic on CPU
-            graph = _EmulatedGraph(lambda: (step(),))
-            self.prefill_graphs[(B, T, nb, fresh)] = (graph, inputs, graph.out[0])
-            return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the triton kernels, create cuBLAS workspaces: outside the capture
-                step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            hidden = step()
+        graph, (hidden,) = self._graph_of(lambda: (self._prefill_hidden(inputs, B, T, nb, fresh, None),))
         self.prefill_graphs[(B, T, nb, fresh)] = (graph, inputs, hidden)
 
     def prefill_sample(self, hidden: torch.Tensor, done_rows: list[int], last: list[int], logit_rows: list[int],
@@ -374,20 +359,26 @@ class ModelRunner:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             return sample(self._decode_forward(B, nb), batch, self.rows.inputs[3, :B, 0])
 
-        if self.device.type != "cuda":  # tests exercise the static-buffer logic on CPU
+        self.graphs[(B, nb, mode)] = self._graph_of(step)
+
+    def _graph_of(self, step: Callable[[], tuple[torch.Tensor, ...]]
+                  ) -> tuple[torch.cuda.CUDAGraph | _EmulatedGraph, tuple[torch.Tensor, ...]]:
+        """(graph, its outputs) of `step` captured in the engine's graph pool after two warm-up runs
+        on a side stream (the triton kernels compile and cuBLAS makes its workspaces outside the
+        capture). On CPU, where tests exercise the static-buffer logic, an `_EmulatedGraph`."""
+        if self.device.type != "cuda":
             graph = _EmulatedGraph(step)
-            self.graphs[(B, nb, mode)] = (graph, graph.out)
-            return
+            return graph, graph.out
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the triton kernels, create cuBLAS workspaces: outside the capture
+            for _ in range(2):
                 step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = step()
-        self.graphs[(B, nb, mode)] = (graph, out)
+        return graph, out
 
     # ------------------------------------------------------------------ samples
 
