@@ -31,6 +31,7 @@ the right storages.
 
 from __future__ import annotations
 
+import logging
 import os
 from array import array
 from typing import Callable, Literal
@@ -45,6 +46,8 @@ from meshrl.runtime.engine.kv_cache import NULL_BLOCK, KVCache, PagedAttention
 from meshrl.runtime.engine.recurrent_state import HybridPagedAttention, RecurrentStates
 from meshrl.runtime.engine.sampling import SamplingBatch, SamplingParams, StaticSamplingBatch, sample
 from meshrl.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 # Prefill attention may not take cuDNN's SDPA, which torch 2.11 ranks first on Hopper: on an H200
@@ -148,8 +151,9 @@ class ModelRunner:
         self._buckets = _batch_buckets(max_num_seqs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         # prefill graphs by (padded rows, padded tokens, table blocks, fresh): (graph, its input
-        # buffer, its hidden output)
-        self.prefill_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # buffer, its hidden output), or None where the capture failed (that bucket runs eagerly)
+        self.prefill_graphs: dict[tuple[int, int, int, bool],
+                                  tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None] = {}
         # On CUDA with graphs, unless MESHRL_PREFILL_GRAPHS=0; CPU tests set it to run the emulation.
         self.graph_prefill = cuda_graphs and device.type == "cuda" and os.environ.get("MESHRL_PREFILL_GRAPHS") != "0"
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -171,12 +175,17 @@ class ModelRunner:
         fresh = all(seq.num_computed == 0 for seq, _ in rows)
         nb = max(len(seq.table) for seq, _ in rows)
         key = self._prefill_graph_key(B, T, nb, fresh) if self.graph_prefill and self.states is None else None
-        if key is None:
+        if key is not None and key not in self.prefill_graphs:
+            try:
+                self._capture_prefill(*key)
+            except RuntimeError as e:  # a capture the device refused: this bucket runs eagerly from now on
+                logger.warning("prefill graph %s not captured (%s: %s); that bucket runs eagerly", key,
+                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.prefill_graphs[key] = None
+        if key is None or self.prefill_graphs[key] is None:
             dev = torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long).to(self.device,
                                                                                                 non_blocking=True)
             return self._prefill_hidden(dev, B, T, nb, fresh, rows)
-        if key not in self.prefill_graphs:
-            self._capture_prefill(*key)
         graph, inputs, hidden = self.prefill_graphs[key]
         inputs.copy_(torch.frombuffer(self._prefill_inputs(rows, *key[:3]), dtype=torch.long), non_blocking=True)
         graph.replay()

@@ -559,6 +559,30 @@ def test_prefill_graphs_give_the_same_completions_as_eager():
         assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded rows round differently
 
 
+def test_a_prefill_graph_the_device_refuses_runs_eagerly(caplog):
+    """A capture that raises (a device refusing an operation inside a graph) leaves that bucket
+    eager, with one warning per bucket, and the completions are those of an eager engine."""
+    model = tiny_model()
+    prompts = random_prompts([5, 17, 33], seed=2)
+
+    def run(engine: NativeEngine) -> list:
+        requests = [Request(i, p, SamplingParams(temperature=1.0, seed=i, max_tokens=5)) for i, p in enumerate(prompts)]
+        return [(c.request_id, c.token_ids, c.logprobs) for c in generate(engine, requests)]
+
+    plain = run(make_engine(model, max_num_seqs=4, max_model_len=64))
+    engine = make_engine(model, max_num_seqs=4, max_model_len=64)
+    engine.runner.graph_prefill = True
+
+    def refuse(*key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    engine.runner._capture_prefill = refuse
+    with caplog.at_level("WARNING", logger="meshrl.runtime.engine.runner"):
+        assert run(engine) == plain
+    assert engine.runner.prefill_graphs and all(v is None for v in engine.runner.prefill_graphs.values())
+    assert len([r for r in caplog.records if "not captured" in r.getMessage()]) == len(engine.runner.prefill_graphs)
+
+
 # ------------------------------------------------------------------------------- GPU
 
 
@@ -608,25 +632,32 @@ def test_cuda_graph_decode_equals_eager_decode(attention):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_prefill_graphs_equal_eager_prefill():
-    """Small fresh prefills replaying captured graphs (padded rows and tokens) give what eager
-    prefills give, in fp32: prompts of 1-70 tokens arriving one to three at a time."""
+    """Small prefills replaying captured graphs (padded rows and tokens) give what eager prefills
+    give, in fp32: prompts of 1-70 tokens arriving one to three at a time, then a continuation over
+    a cached prefix (a graph per block count)."""
     def run(graphs: bool) -> tuple[list, NativeEngine]:
         engine = NativeEngine(tiny_model(), max_num_seqs=6, max_model_len=128, device="cuda", dtype=torch.float32,
                               cuda_graphs=True)
         engine.runner.graph_prefill = graphs
-        rng, out = random.Random(7), []
+        rng, out, prompts = random.Random(7), [], {}
         for step in range(40):
             if step < 30 and step % 2 == 0:
                 for _ in range(rng.randint(1, 3)):
                     rid = 1000 * step + rng.randrange(1000)
-                    prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
+                    prompt = prompts[rid] = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
                     engine.add(Request(rid, prompt, SamplingParams(temperature=1.0, seed=rid, max_tokens=6)))
             out += [(c.request_id, c.token_ids, c.logprobs) for c in engine.step()]
+        out += [(c.request_id, c.token_ids, c.logprobs) for c in drain(engine)]
+        # a continuation over the cached prefix of the longest prompt's completion
+        rid, tokens, _ = max(out, key=lambda c: len(prompts[c[0]]))
+        engine.add(Request(1, prompts[rid] + tokens + [3, 4], SamplingParams(temperature=1.0, seed=1, max_tokens=6)))
         return sorted(out + [(c.request_id, c.token_ids, c.logprobs) for c in drain(engine)]), engine
 
     eager, _ = run(False)
     graphed, engine = run(True)
     assert engine.runner.prefill_graphs, "no prefill graph was captured"
+    assert all(v is not None for v in engine.runner.prefill_graphs.values()), "a capture was refused"
+    assert any(not fresh for *_, fresh in engine.runner.prefill_graphs), "no graph over a cached prefix"
     assert [x[:2] for x in graphed] == [x[:2] for x in eager]
     for a, b in zip(graphed, eager):
         assert a[2] == pytest.approx(b[2], abs=1e-4)
