@@ -24,6 +24,7 @@ forward: full (T, V) fp32 logits never exist, whatever the vocabulary.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshrl.models.common.attention import CausalAttention, make_document_attention
 from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
@@ -110,8 +112,14 @@ class Trainer:
         self.moe_aux_loss_coef = moe_aux_loss_coef
         # only what trains: with LoRA the adapters (the base weights are frozen, models/common/lora.py)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        # On CUDA one fused kernel per step (the foreach default launches a chain of them over every
+        # parameter; torchtitan's default too) where every parameter is on one mesh (expert shards
+        # on their own mesh keep the default); CPU keeps the default (its tests compare against it).
+        # MESHRL_FUSED_ADAMW=0 keeps the default on CUDA (to compare).
+        meshes_of_params = {id(p.device_mesh) for p in trainable if isinstance(p, DTensor)}
+        fused = device.type == "cuda" and len(meshes_of_params) <= 1 and os.environ.get("MESHRL_FUSED_ADAMW") != "0"
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True if fused else None)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
