@@ -434,9 +434,12 @@ class VarlenDocumentAttention:
         self._seqlens: tuple[Tensor, int] | None = None
         if kernel == "torch" and _torch_varlen_attn() is not None:
             _torch_varlen_params()  # resolved here, outside compiled code (see _VARLEN)
+        if doc_ids.is_cuda:  # here too: its host sync inside the first compiled block would break its graph
+            self.cu_seqlens(doc_ids.device)
 
     def cu_seqlens(self, device: torch.device) -> tuple[Tensor, int]:
-        """(cu_seqlens (num_docs + 1,) int32 on `device`, max doc length), computed once per forward."""
+        """(cu_seqlens (num_docs + 1,) int32 on `device`, max doc length), computed once per forward
+        (when the context is built, for doc_ids on CUDA)."""
         if self._seqlens is None:
             cu_seqlens, max_len = document_cu_seqlens(self.doc_ids)
             self._seqlens = (cu_seqlens.to(device), max_len)

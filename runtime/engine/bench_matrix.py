@@ -63,7 +63,6 @@ One JSON line per (shape, workload, engine):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -292,11 +291,14 @@ def warm_up(driver: Any, vocab_size: int, num_seqs: int, max_tokens: int | None 
     are captured too."""
     prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
     drive(driver, Workload("warmup", prompts, [max_tokens or j + 1 for j in range(num_seqs)]))
-    if driver.name != "native":
+    engine = getattr(driver, "engine", None)
+    if driver.name != "native" or not engine.runner.graph_prefill or engine.states is not None:
         return
     from meshrl.runtime.engine.runner import _PREFILL_GRAPH_TOKENS
 
     for length in _PREFILL_GRAPH_TOKENS:
+        if length + 2 > engine.max_model_len:  # the prompt and its two tokens must fit
+            break
         for rows in (1, 2):
             prompts = [[(11 * j + 3 * k + length) % vocab_size for k in range(length)] for j in range(rows)]
             drive(driver, Workload("warmup", prompts, [2] * rows))

@@ -151,11 +151,11 @@ class ModelRunner:
         self._buckets = _batch_buckets(max_num_seqs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         # prefill graphs by (padded rows, padded tokens, table blocks, fresh): (graph, its input
-        # buffer, its hidden output), or None where the capture failed (that bucket runs eagerly)
-        self.prefill_graphs: dict[tuple[int, int, int, bool],
-                                  tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None] = {}
-        # On CUDA with graphs, unless MESHRL_PREFILL_GRAPHS=0; CPU tests set it to run the emulation.
-        self.graph_prefill = cuda_graphs and device.type == "cuda" and os.environ.get("MESHRL_PREFILL_GRAPHS") != "0"
+        # buffer, its hidden output)
+        self.prefill_graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # Whenever decode graphs are on (`cuda_graphs`), on CUDA, unless MESHRL_PREFILL_GRAPHS=0 or a
+        # capture was refused; CPU tests set it to run the emulation.
+        self.graph_prefill = device.type == "cuda" and os.environ.get("MESHRL_PREFILL_GRAPHS") != "0"
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.static_sampling = StaticSamplingBatch(max_num_seqs, device) if cuda_graphs else None
         self._host_out = [torch.empty((2, max_num_seqs), dtype=torch.float64, pin_memory=True)
@@ -174,15 +174,17 @@ class ModelRunner:
         B, T = len(rows), max(n for _, n in rows)
         fresh = all(seq.num_computed == 0 for seq, _ in rows)
         nb = max(len(seq.table) for seq, _ in rows)
-        key = self._prefill_graph_key(B, T, nb, fresh) if self.graph_prefill and self.states is None else None
+        graphs = self.graph_prefill and self.cuda_graphs and self.states is None
+        key = self._prefill_graph_key(B, T, nb, fresh) if graphs else None
         if key is not None and key not in self.prefill_graphs:
             try:
                 self._capture_prefill(*key)
-            except RuntimeError as e:  # a capture the device refused: this bucket runs eagerly from now on
-                logger.warning("prefill graph %s not captured (%s: %s); that bucket runs eagerly", key,
+            except RuntimeError as e:  # a capture the device refused: prefills run eagerly from now on
+                logger.warning("prefill graph %s not captured (%s: %s); this engine's prefills run eagerly", key,
                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self.prefill_graphs[key] = None
-        if key is None or self.prefill_graphs[key] is None:
+                self.graph_prefill = False
+                key = None
+        if key is None:
             dev = torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long).to(self.device,
                                                                                                 non_blocking=True)
             return self._prefill_hidden(dev, B, T, nb, fresh, rows)
@@ -378,15 +380,23 @@ class ModelRunner:
         if self.device.type != "cuda":
             graph = _EmulatedGraph(step)
             return graph, graph.out
+        current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for _ in range(2):
                 step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = step()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                out = step()
+        except BaseException:
+            # A refused capture can raise again on its way out of torch.cuda.graph before that
+            # restores the stream: put this thread back on its own stream and let the device settle.
+            torch.cuda.set_stream(current)
+            torch.cuda.synchronize(self.device)
+            raise
         return graph, out
 
     # ------------------------------------------------------------------ samples

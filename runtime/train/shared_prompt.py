@@ -94,9 +94,12 @@ def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Tensor:
 
 
 class SharedPromptAttention:
-    """The attention context of a shared-prompt row (B == 1), for `backend` (module docstring)."""
+    """The attention context of a shared-prompt row (B == 1), for `backend` (module docstring).
+    probe: on CUDA with a varlen backend, run `_varlen_aligns` now, outside compiled code (the probe
+    itself builds one without)."""
 
-    def __init__(self, doc_ids: Tensor, prompt_doc: Tensor, positions: Tensor, backend: str) -> None:
+    def __init__(self, doc_ids: Tensor, prompt_doc: Tensor, positions: Tensor, backend: str,
+                 probe: bool = True) -> None:
         if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
             raise ValueError(f"shared-prompt rows are single packed rows, doc_ids (1, T); got {tuple(doc_ids.shape)}")
         if backend not in ("split", "sdpa", "varlen", "flash_attn", "flex"):
@@ -115,6 +118,9 @@ class SharedPromptAttention:
         self._branch_masks: dict[tuple[int, int], Tensor] = {}  # (queries, keys) -> bottom-right causal mask
         self._gather: tuple | None = None
         self._block_mask: Any = None
+        if probe and backend in ("varlen", "flash_attn") and doc_ids.is_cuda:
+            for dtype in (torch.bfloat16, torch.float16):  # probed here, outside compiled code (see _ALIGNS)
+                _varlen_aligns(backend, doc_ids.device, dtype)
 
     def mask(self, device: torch.device, window: int | None = None) -> Tensor:
         """(1, 1, T, T) bool of the rule, cached per window."""
@@ -137,7 +143,8 @@ class SharedPromptAttention:
             return self._split(q, k, v)
         if self.backend == "flex":
             return self._flex(q, k, v)
-        if not _varlen_aligns(self.backend, q.device, q.dtype):
+        aligns = _ALIGNS.get((self.backend, q.device, q.dtype))
+        if not (_varlen_aligns(self.backend, q.device, q.dtype) if aligns is None else aligns):
             return self._split(q, k, v)
         return self._varlen(q, k, v)
 
@@ -216,11 +223,18 @@ class SharedPromptAttention:
         return run_flex(q, k, v, self._block_mask)
 
 
-@functools.cache
+# (backend, device, dtype) -> the probe's answer. A dict read, not functools.cache: dynamo traces
+# through a cache wrapper into the probe (host syncs) and would break each compiled block's graph at
+# its attention; `SharedPromptAttention` probes when it is built, outside compiled code.
+_ALIGNS: dict[tuple[str, torch.device, torch.dtype], bool] = {}
+
+
 def _varlen_aligns(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Once per process and kernel: does the varlen path on this device give the dense rule on a small
     shared row (i.e. does the kernel align its causal mask bottom-right when queries are fewer than
     keys)? If not, shared rows use "split" there, said once in the log."""
+    if (backend, device, dtype) in _ALIGNS:
+        return _ALIGNS[(backend, device, dtype)]
     from meshrl.runtime.rundir import log
 
     doc = torch.tensor([[0] * 5 + [1] * 3 + [2] * 4 + [3] * 2], device=device)
@@ -229,10 +243,12 @@ def _varlen_aligns(backend: str, device: torch.device, dtype: torch.dtype) -> bo
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, 4, 14, 64, generator=gen, device=device)
     k, v = (torch.randn(1, 2, 14, 64, generator=gen, device=device) for _ in range(2))
-    got = SharedPromptAttention(doc, prompt_doc, positions, backend)._varlen(q.to(dtype), k.to(dtype), v.to(dtype))
+    got = SharedPromptAttention(doc, prompt_doc, positions, backend, probe=False)._varlen(q.to(dtype), k.to(dtype),
+                                                                                           v.to(dtype))
     want = SharedPromptAttention(doc, prompt_doc, positions, "sdpa")._dense(q, k, v, None, None, None, None)
     ok = bool(((got.float() - want).norm() / want.norm()) < 2e-2)
     if not ok:
         log.warning("shared-prompt rows: the %s kernel on %s does not give the shared-prompt attention (causal mask "
                     "not aligned bottom-right?); using per-document SDPA ('split') for them", backend, device)
+    _ALIGNS[(backend, device, dtype)] = ok
     return ok

@@ -195,9 +195,9 @@ def test_varlen_gather_layout(monkeypatch):
 
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: kernel)
     monkeypatch.setattr(attention, "_torch_varlen_params", lambda: frozenset({"window_size", "enable_gqa"}))
-    shared_prompt._varlen_aligns.cache_clear()
+    shared_prompt._ALIGNS.clear()
     assert shared_prompt._varlen_aligns("varlen", torch.device("cpu"), torch.float16)  # the probe passes
-    shared_prompt._varlen_aligns.cache_clear()
+    shared_prompt._ALIGNS.clear()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, T, 8, generator=gen, dtype=torch.float16)
     k, v = (torch.randn(1, 2, T, 8, generator=gen, dtype=torch.float16) for _ in range(2))
@@ -205,7 +205,7 @@ def test_varlen_gather_layout(monkeypatch):
     ref = SharedPromptAttention(row["doc_ids"], row["prompt_doc"], row["position_ids"], "sdpa").attend(
         0, q.double(), k.double(), v.double())
     assert (got.double() - ref).abs().max() < 1e-2
-    shared_prompt._varlen_aligns.cache_clear()
+    shared_prompt._ALIGNS.clear()
 
 
 @pytest.mark.gpu
@@ -264,7 +264,7 @@ def test_varlen_probe_falls_back_to_split_when_the_kernel_aligns_top_left(monkey
     top_left = _reference_varlen(bottom_right=False)
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: top_left)
     monkeypatch.setattr(attention, "_torch_varlen_params", lambda: frozenset({"window_size", "enable_gqa"}))
-    shared_prompt._varlen_aligns.cache_clear()
+    shared_prompt._ALIGNS.clear()
     try:
         assert not shared_prompt._varlen_aligns("varlen", torch.device("cpu"), torch.float16)
         (row, *_), = pack(make_samples(), 512, 1, share_prompts=True)
@@ -275,4 +275,4 @@ def test_varlen_probe_falls_back_to_split_when_the_kernel_aligns_top_left(monkey
             0, q.double(), k.double(), v.double())
         assert (got.double() - ref).abs().max() < 1e-2
     finally:
-        shared_prompt._varlen_aligns.cache_clear()
+        shared_prompt._ALIGNS.clear()
