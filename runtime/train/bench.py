@@ -11,7 +11,9 @@ length, through the real `Trainer.sft_step` (chunked logprob head, document-mask
 FSDP2, AdamW). With `--nproc N > 1` the command re-runs itself under torchrun.
 
 Prints one JSON line: tokens_per_s (all ranks), mfu, peak_memory_gib (max over ranks),
-step_s (median of the measured steps), and the settings.
+step_s (median of the measured steps), and the settings. With `--compile` also `compiled_graphs`
+and `graph_breaks` (rank 0's dynamo counters: a block should be one graph; breaks inside the
+blocks cost host time on every step, docs/parallelism.md).
 
 FLOPs per step (model FLOPs: recomputation by activation checkpointing is not counted):
 
@@ -228,9 +230,20 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
         "tflops_per_device": round(flops / step_s / world / 1e12, 2),
         "mfu": round(flops / step_s / (world * peak), 4) if peak else None,
         "peak_memory_gib": round(float(peak_gib), 2) if cuda else None,
+        **_graph_counts(opts.compile),
     }
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def _graph_counts(compiled: bool) -> dict:
+    """Dynamo's count of distinct compiled graphs and of graph breaks in this process (None uncompiled)."""
+    if not compiled:
+        return {"compiled_graphs": None, "graph_breaks": None}
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):

@@ -124,6 +124,7 @@ def test_bench_trainer_runs_every_family_on_cpu(family, capsys, monkeypatch):
     (row,) = _json_lines(capsys.readouterr().out)
     assert row["family"] == family and row["tokens_per_step"] == 64 and row["tokens_per_s"] > 0
     assert row["mfu"] is None and row["tflops_per_device"] >= 0
+    assert row["compiled_graphs"] is None and row["graph_breaks"] is None  # not compiled
 
 
 def test_attention_flops_count_each_layer_kind():
