@@ -24,8 +24,8 @@ engine uses too, and the engine's sampler reads full logits with its own kernels
 (runtime/engine/). Only `triton_cdiv` comes from models/common/fused.py, which this layer may import.
 
 Switch, MESHRL_FUSED_LOGPROBS: unset, the kernels serve CUDA logits (bf16, fp16 or fp32) when
-triton is installed and MESHRL_FUSED (every fused kernel's switch) is not 0; =0 keeps the torch path (the reference; CPU always uses it unless forced);
-=1 forces them on CUDA and, with TRITON_INTERPRET=1, on the CPU (the tests); never on other devices
+triton is installed and MESHRL_FUSED (every fused kernel's switch) is not 0; =0 keeps the torch
+path (the reference; CPU always uses it unless forced); =1 forces them on CUDA and, with TRITON_INTERPRET=1, on the CPU (the tests); never on other devices
 (meta tensors keep the torch path).
 """
 
