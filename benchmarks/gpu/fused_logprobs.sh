@@ -3,8 +3,9 @@
 # tests/unit/test_logprob_kernels.py and test_logprob_head.py (the Triton kernels against the torch
 # path in bf16 at V = 151,936 and a small V, and the fused head's peak memory), then
 # `meshrl bench trainer` at the 0.6B and 1.7B shapes, 16 packed documents of 16k tokens in all,
-# compiled blocks, varlen attention, with MESHRL_FUSED_LOGPROBS=1 and =0. One short line per run to
-# stdout; $OUT gets pytest.log, fused_logprobs.jsonl (one bench JSON line per run) and errors.log.
+# compiled blocks, varlen attention, with MESHRL_FUSED_LOGPROBS=1 and =0 (benchmarks/gpu/trainer_ab.sh).
+# One short line per run to stdout; $OUT gets pytest.log, trainer_ab.jsonl (one bench JSON line per
+# run) and errors.log.
 # On the GPU host: carry .whl (../shared/gpu-host/README.md), then `bash benchmarks/gpu/fused_logprobs.sh`
 # (about 3 minutes: each bench run compiles its blocks).
 set -u
@@ -14,16 +15,4 @@ source benchmarks/gpu/host_env.sh
 timeout -k 5 60 python3 -m pytest -q -m gpu -o addopts="" tests/unit/test_logprob_kernels.py \
   tests/unit/test_logprob_head.py -p no:cacheprovider -rfE > "$OUT/pytest.log" 2>&1
 echo "gpu tests rc=$?: $(tail -n 1 "$OUT/pytest.log" | cut -c1-200)"
-for flavor in 0.6B 1.7B; do
-  for fused in 1 0; do
-    line=$(MESHRL_FUSED_LOGPROBS=$fused timeout -k 5 ${FUSED_LOGPROBS_T:-100} meshrl bench trainer --flavor "$flavor" \
-      --seq-len 16384 --docs 16 --compile --attention varlen --steps 5 --warmup 3 2>> "$OUT/errors.log" | tail -n 1)
-    if [ -z "$line" ]; then
-      echo "flavor=$flavor fused=$fused: no result (see errors.log)"
-      continue
-    fi
-    echo "{\"flavor\": \"$flavor\", \"fused_logprobs\": $fused, \"bench\": $line}" >> "$OUT/fused_logprobs.jsonl"
-    python3 -c 'import json, sys; r = json.loads(sys.argv[1]); print("flavor=%s fused=%s: step_s=%s tokens_per_s=%s mfu=%s peak_memory_gib=%s" % (*sys.argv[2:4], r["step_s"], r["tokens_per_s"], r["mfu"], r.get("peak_memory_gib")))' \
-      "$line" "$flavor" "$fused"
-  done
-done
+bash benchmarks/gpu/trainer_ab.sh MESHRL_FUSED_LOGPROBS
