@@ -291,9 +291,9 @@ def warm_up(driver: Any, vocab_size: int, num_seqs: int, max_tokens: int | None 
     are captured too."""
     prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
     drive(driver, Workload("warmup", prompts, [max_tokens or j + 1 for j in range(num_seqs)]))
-    engine = getattr(driver, "engine", None)
-    if driver.name != "native" or not engine.runner.graph_prefill or engine.states is not None:
+    if driver.name != "native" or not driver.engine.runner.graph_prefill or driver.engine.states is not None:
         return
+    engine = driver.engine
     from meshrl.runtime.engine.runner import _PREFILL_GRAPH_TOKENS
 
     for length in _PREFILL_GRAPH_TOKENS:

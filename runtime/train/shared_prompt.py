@@ -143,8 +143,7 @@ class SharedPromptAttention:
             return self._split(q, k, v)
         if self.backend == "flex":
             return self._flex(q, k, v)
-        aligns = _ALIGNS.get((self.backend, q.device, q.dtype))
-        if not (_varlen_aligns(self.backend, q.device, q.dtype) if aligns is None else aligns):
+        if not _varlen_aligns(self.backend, q.device, q.dtype):  # probed at __init__: a dict read here
             return self._split(q, k, v)
         return self._varlen(q, k, v)
 
@@ -223,9 +222,10 @@ class SharedPromptAttention:
         return run_flex(q, k, v, self._block_mask)
 
 
-# (backend, device, dtype) -> the probe's answer. A dict read, not functools.cache: dynamo traces
-# through a cache wrapper into the probe (host syncs) and would break each compiled block's graph at
-# its attention; `SharedPromptAttention` probes when it is built, outside compiled code.
+# (backend, device, dtype) -> the probe's answer. A dict `_varlen_aligns` reads first, not
+# functools.cache: dynamo traces through a cache wrapper into the probe (host syncs) and would break
+# each compiled block's graph at its attention; `SharedPromptAttention` probes when it is built,
+# outside compiled code, so compiled code only takes the early return.
 _ALIGNS: dict[tuple[str, torch.device, torch.dtype], bool] = {}
 
 
