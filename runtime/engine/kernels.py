@@ -6,7 +6,9 @@ that row's cached keys, read straight from the paged cache by block table (no ga
 
     grid (rows, kv heads, splits); program (r, h, s) owns the query heads of kv head h (the GQA
     group, padded to 16 rows so both products run on tensor cores) and the key range
-    [s * span, (s + 1) * span) of row r, cut at the row's own length, in tiles of TILE keys.
+    [s * span, (s + 1) * span) of row r, in tiles of TILE keys, where span is row r's own length
+    over the split count rounded up to whole tiles (so a row's splits share its keys evenly, at
+    every length, and those past its last tile do nothing).
     A tile may span several cache blocks: each key's block comes from the table, so the tile
     size does not depend on block_size.
 
@@ -18,8 +20,8 @@ Decode is bound by reading the cache, so what matters is keeping enough loads in
 tiles (many keys per load) and enough programs to fill the SMs. With many rows (a full decode
 batch) one split per row suffices; with few rows and long contexts the key range is split
 (flash-decoding) and a second kernel merges the splits' partial softmax states. The split count
-is a function of (rows, cache length) only, so a CUDA graph captured for a batch shape stays
-valid.
+is a function of (rows, table width) only, so a CUDA graph captured for a batch shape stays
+valid as the rows grow.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from torch import Tensor
 
 TILE = 64  # keys per tile
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
+_PROGRAMS_PER_SM = 4  # decode programs (row, kv head, split) wanted per SM
+_DECODE_WARPS, _DECODE_STAGES = 4, 2
 
 
 def triton_available() -> bool:
@@ -41,10 +45,9 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (decode, merge, chunk_stats, fp8 write, fp8 decode, kv write), defined and
-    jitted on first use: importing this module never needs triton. Callers index the tuple."""
-    return (_decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _decode_fp8_kernel(),
-            _kv_write_kernel())
+    """The Triton kernels (decode, merge, chunk_stats, fp8 write, kv write), defined and jitted on
+    first use: importing this module never needs triton. Callers index the tuple."""
+    return (_decode_kernel(), _merge_kernel(), _chunk_stats_kernel(), _fp8_write_kernel(), _kv_write_kernel())
 
 
 def _kv_write_kernel():
@@ -119,7 +122,7 @@ def kv_write(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tens
     flat slots (B * T,) of a cache in their dtype: one launch for what `write_slots` does in two
     index_copy_ (and their copies). Caches (num_blocks, bs, Hkv, D), views of one head-major storage
     (KVCache.layer); the caller checks the shapes (kv_cache.check_fits)."""
-    kernel = _kernels()[5]
+    kernel = _kernels()[4]
     B, H, T, D = k.shape
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -133,90 +136,32 @@ def kv_write(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tens
 
 def _decode_kernel():
     import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr,
-               stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb,
-               stride_ob, stride_oh, stride_os, stride_mb, stride_mh, scale, span,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-               D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        ctx = tl.load(ctx_ptr + row)
-        start = split * span
-        end = tl.minimum(ctx, start + span)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        n = tl.arange(0, TILE)
-        g_mask = g < GROUP
-        heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None],
-                    other=0.0)  # (G, D)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        denom = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for i in range(0, tl.cdiv(end - start, TILE)):
-            t = start + i * TILE + n
-            t_mask = t < end
-            block = tl.load(table_ptr + row * stride_tb + t // BS, mask=t_mask, other=0).to(tl.int64)
-            offs = block[:, None] * stride_kb + (t % BS)[:, None] * stride_kp + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offs, mask=t_mask[:, None], other=0.0)  # (TILE, D)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # (G, TILE)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offs, mask=t_mask[:, None], other=0.0)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        if SPLIT:
-            # Partial state of this key range: unnormalised output, running max and sum.
-            base = row * stride_mb + heads * stride_mh + split
-            tl.store(m_ptr + base, m, mask=g_mask)
-            tl.store(l_ptr + base, denom, mask=g_mask)
-            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], acc,
-                     mask=g_mask[:, None])
-        else:
-            out = acc / denom[:, None]
-            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-    return decode
-
-
-def _decode_fp8_kernel():
-    import triton
     import triton.language
 
     global tl
     tl = triton.language  # what the module-level kernel below reads
-    return triton.jit(_paged_decode_fp8)
+    return triton.jit(_paged_decode)
 
 
-# triton.language, bound by _decode_fp8_kernel on first use (importing this module never needs triton).
-# The FP8-cache variant of the decode kernel is a module-level function (the layout's size limit).
+# triton.language, bound by _decode_kernel on first use (importing this module never needs triton).
+# The decode kernel is a module-level function so that its annotations can name tl.constexpr.
 tl = None
 
 
-def _paged_decode_fp8(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, ks_ptr, vs_ptr,
-                      stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb,
-                      stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_sb, stride_sp, stride_sh, scale, span,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-                      D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+def _paged_decode(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, ks_ptr, vs_ptr,
+                  stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_tb,
+                  stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_sb, stride_sp, stride_sh, scale,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                  D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + row)
+    # The row's own keys cut into equal whole tiles, one range per split: every split of a row does
+    # the same work at every length (splits past the row's last tile get none).
+    span = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), TILE) * TILE
     start = split * span
-    end = tl.minimum(tl.load(ctx_ptr + row), start + span)
+    end = tl.minimum(ctx, start + span)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     n = tl.arange(0, TILE)
@@ -318,9 +263,11 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Key-range splits per (row, kv head): enough programs for ~4 per SM, at most one tile each."""
+    """Key-range splits per (row, kv head): enough programs for `_PROGRAMS_PER_SM` per SM, at most
+    one tile each. A function of the batch and the table width only (not of the rows' lengths: each
+    program cuts its own row's keys), so a CUDA graph captured for a batch shape stays valid."""
     sms = _multiprocessors(device) if device.type == "cuda" else 8
-    wanted = math.ceil(4 * sms / (batch * num_kv_heads))
+    wanted = math.ceil(_PROGRAMS_PER_SM * sms / (batch * num_kv_heads))
     return max(1, min(wanted, math.ceil(max_len / TILE)))
 
 
@@ -330,41 +277,39 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     """One new token per row over the paged cache. q (B, Hq, 1, D); k_cache/v_cache
     (num_blocks, block_size, Hkv, D); tables (B, nb) int32 covering every row's keys;
     context_lens (B,) int32 (>= 1: keys 0..len-1 are visible) -> (B, Hq, 1, D).
-    splits: key-range splits (default: `num_splits` of the batch and nb * block_size).
+    splits: key-range splits (default: `num_splits` of the batch and nb * block_size); each row's
+    keys are cut into `splits` equal runs of whole tiles.
     An FP8 (e4m3) cache passes k_scales / v_scales (num_blocks, block_size, Hkv) fp32, one per
     key: keys and values are read as e4m3 (half the bytes) and widened to q's dtype in registers."""
-    kernels = _kernels()
-    decode, merge, decode_fp8 = kernels[0], kernels[1], kernels[4]
+    decode, merge = _kernels()[:2]
     B, num_q_heads, T, D = q.shape
     assert T == 1, "the decode kernel takes one token per row"
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    max_len = tables.shape[1] * block_size
     if splits is None:
-        splits = num_splits(B, num_kv_heads, max_len, q.device)
-    span = math.ceil(math.ceil(max_len / splits) / TILE) * TILE
+        splits = num_splits(B, num_kv_heads, tables.shape[1] * block_size, q.device)
     q2 = q[:, :, 0, :].contiguous()  # (B, Hq, D)
     out = torch.empty_like(q2)
     common = dict(GROUP=group, GROUP_PAD=max(_MIN_GROUP_ROWS, 1 << (group - 1).bit_length()), BS=block_size,
-                  TILE=TILE, D=D, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+                  TILE=TILE, D=D, IEEE=q.dtype == torch.float32, FP8=k_scales is not None,
+                  num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES)
     args = (q2.stride(0), q2.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0))
-    kernel, scales, s_strides = decode, (), ()
-    if k_scales is not None:  # the e4m3 variant: the scales' pointers and strides join the arguments
+    scales, s_strides = (q2, q2), (0, 0, 0)  # unread without an FP8 cache
+    if k_scales is not None:  # the e4m3 variant: the scales and their strides
         assert k_scales.stride() == v_scales.stride()
-        kernel, scales, s_strides = decode_fp8, (k_scales, v_scales), k_scales.stride()
-        common["FP8"] = True
+        scales, s_strides = (k_scales, v_scales), k_scales.stride()
     if splits == 1:
-        kernel[(B, num_kv_heads, 1)](q2, k_cache, v_cache, tables, context_lens, out, out, out, *scales,
-                                     *args, out.stride(0), out.stride(1), 0, 0, 0, *s_strides, D ** -0.5, span,
+        decode[(B, num_kv_heads, 1)](q2, k_cache, v_cache, tables, context_lens, out, out, out, *scales,
+                                     *args, out.stride(0), out.stride(1), 0, 0, 0, *s_strides, D ** -0.5,
                                      SPLIT=False, **common)
         return out[:, :, None, :]
     part = torch.empty((B, num_q_heads, splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((B, num_q_heads, splits), dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    kernel[(B, num_kv_heads, splits)](q2, k_cache, v_cache, tables, context_lens, part, m, denom, *scales,
+    decode[(B, num_kv_heads, splits)](q2, k_cache, v_cache, tables, context_lens, part, m, denom, *scales,
                                       *args, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
-                                      *s_strides, D ** -0.5, span, SPLIT=True, **common)
+                                      *s_strides, D ** -0.5, SPLIT=True, **common)
     merge[(B, num_q_heads)](part, m, denom, out, part.stride(0), part.stride(1), part.stride(2), m.stride(0),
                             m.stride(1), out.stride(0), out.stride(1), S=splits,
                             S_PAD=max(2, 1 << (splits - 1).bit_length()), D=D)
