@@ -16,12 +16,12 @@ An FP8 cache (e4m3 keys and values with one fp32 scale per key and head) is read
 widened in registers: the key scale multiplies the key's score, the value scale its softmax
 weight, so the products still run in q's dtype on tensor cores and the cache bytes halve.
 
-Decode is bound by reading the cache, so what matters is keeping enough loads in flight: big
-tiles (many keys per load) and enough programs to fill the SMs. With many rows (a full decode
-batch) one split per row suffices; with few rows and long contexts the key range is split
-(flash-decoding) and a second kernel merges the splits' partial softmax states. The split count
-is a function of (rows, table width) only, so a CUDA graph captured for a batch shape stays
-valid as the rows grow.
+Decode is bound by reading the cache, so what matters is keeping enough loads in flight: enough
+programs to fill the SMs, each with its next tile's loads issued while it computes on this one.
+With many rows (a full decode batch) one split per row suffices; with few rows and long contexts
+the key range is split (flash-decoding) and a second kernel merges the splits' partial softmax
+states. The split count is a function of (rows, table width) only, so a CUDA graph captured for
+a batch shape stays valid as the rows grow.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ import math
 import torch
 from torch import Tensor
 
-TILE = 64  # keys per tile
+# The decode kernel's launch settings, from a sweep on an H200 (docs/benchmarks.md, 2026-12-02
+# evening: tiles 32/64/128 x warps 2/4/8 x stages 1/2/3 x 4/8/16 programs per SM over eight
+# (rows, context) shapes of the engine matrix): the best overall, 0.6B shape (16 q / 8 kv heads,
+# head dim 128). Small tiles in two warps keep more tiles in flight per SM.
+TILE = 32  # keys per tile
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 _PROGRAMS_PER_SM = 4  # decode programs (row, kv head, split) wanted per SM
-_DECODE_WARPS, _DECODE_STAGES = 4, 2
+_DECODE_WARPS, _DECODE_STAGES = 2, 2
 
 
 def triton_available() -> bool:
