@@ -284,13 +284,16 @@ def drive(driver: Any, w: Workload) -> dict:
 
 
 def warm_up(driver: Any, vocab_size: int, num_seqs: int, max_tokens: int | None = None) -> None:
-    """num_seqs prompts of 16 tokens; sample j runs for j + 1 tokens (or max_tokens), so the batch
-    shrinks by one per step and every decode graph bucket is captured before any timed row. Then
+    """num_seqs prompts of 16 tokens; sample j (row j: rows are taken lowest first) runs for
+    num_seqs - j tokens (or max_tokens), so the rows in use shrink from the top by one per step and
+    every decode graph bucket is captured before any timed row. (A decode launch spans rows [0,
+    highest live row]: with j + 1 tokens for sample j, the top row lived longest and only the
+    widest bucket was captured; the first timed rows then captured theirs.) Then
     for the native engine, one and two prompts of each prefill-graph length
     (runtime/engine/runner.py), alone, so that its graphs for small prefills (continuous refill's)
     are captured too."""
     prompts = [[(7 * j + k) % vocab_size for k in range(16)] for j in range(num_seqs)]
-    drive(driver, Workload("warmup", prompts, [max_tokens or j + 1 for j in range(num_seqs)]))
+    drive(driver, Workload("warmup", prompts, [max_tokens or num_seqs - j for j in range(num_seqs)]))
     if driver.name != "native" or not driver.engine.runner.graph_prefill or driver.engine.states is not None:
         return
     engine = driver.engine

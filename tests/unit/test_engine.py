@@ -636,7 +636,8 @@ def test_cuda_graph_decode_equals_eager_decode(attention):
 def test_cuda_prefill_graphs_equal_eager_prefill():
     """Small prefills replaying captured graphs (padded rows and tokens) give what eager prefills
     give, in fp32: prompts of 1-70 tokens arriving one to three at a time, then a continuation over
-    a cached prefix (a graph per block count)."""
+    a cached prefix (a graph per block count). The first GPU run of this test found no cached-prefix
+    graph: it continued an early prompt whose blocks the later requests had evicted."""
     def run(graphs: bool) -> tuple[list, NativeEngine]:
         engine = NativeEngine(tiny_model(), max_num_seqs=6, max_model_len=128, device="cuda", dtype=torch.float32,
                               cuda_graphs=True)
@@ -650,9 +651,14 @@ def test_cuda_prefill_graphs_equal_eager_prefill():
                     engine.add(Request(rid, prompt, SamplingParams(temperature=1.0, seed=rid, max_tokens=6)))
             out += [(c.request_id, c.token_ids, c.logprobs) for c in engine.step()]
         out += [(c.request_id, c.token_ids, c.logprobs) for c in drain(engine)]
-        # a continuation over the cached prefix of the longest prompt's completion
-        rid, tokens, _ = max(out, key=lambda c: len(prompts[c[0]]))
-        engine.add(Request(1, prompts[rid] + tokens + [3, 4], SamplingParams(temperature=1.0, seed=1, max_tokens=6)))
+        # A continuation over a cached prefix: a 40-token request, then its prompt + completion + 2
+        # tokens at once, while its blocks are still in the prefix cache (the requests above cycle
+        # through the cache, so an early prompt's blocks may be gone).
+        prompt = [rng.randrange(VOCAB) for _ in range(40)]
+        engine.add(Request(2, prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=6)))
+        (first,) = drain(engine)
+        engine.add(Request(1, prompt + first.token_ids + [3, 4], SamplingParams(temperature=1.0, seed=1, max_tokens=6)))
+        out += [(first.request_id, first.token_ids, first.logprobs)]
         return sorted(out + [(c.request_id, c.token_ids, c.logprobs) for c in drain(engine)]), engine
 
     eager, _ = run(False)
