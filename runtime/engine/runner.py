@@ -2,11 +2,11 @@
 device. It decides nothing; runtime/engine/scheduler.py chooses what each forward computes.
 
 - prefill    one forward of the prefill set (right-padded (B, T); SDPA without its cuDNN
-             backend, see `_PREFILL_SDPA`): tokens, block tables, start positions and lengths
-             go to the device in one host array and one copy, and positions and slots are
-             derived there (no per-token Python); the logits of the rows whose prompt is done.
-             On CUDA a small prefill (at most `_PREFILL_GRAPH_ROWS[-1]` rows of
-             `_PREFILL_GRAPH_TOKENS[-1]` tokens) replays a graph captured per padded
+             backend, see `_PREFILL_SDPA`): tokens, block tables,
+             start positions and lengths go to the device in one host array and one copy, and
+             positions and slots are derived there (no per-token Python); the logits of the rows
+             whose prompt is done. On CUDA a small prefill (at most `_PREFILL_GRAPH_ROWS[-1]`
+             rows of `_PREFILL_GRAPH_TOKENS[-1]` tokens) replays a graph captured per padded
              (rows, tokens) bucket, and, over a cached prefix (a multi-turn continuation), per
              power-of-two block count too: eagerly, such a forward is bound by the host
              launching its ~15 kernels per layer (continuous refill prefills one or two new
@@ -17,8 +17,6 @@ device. It decides nothing; runtime/engine/scheduler.py chooses what each forwar
              sampling mode) replays the whole forward and the sampler (models/common/fused.py
              kernels inside it) and reads the static sampling buffers; on CPU tests
              `_EmulatedGraph` stands in for it. Without graphs the forward runs eagerly.
-- uploads    every host-to-device copy of a step goes through `Uploads`' pinned buffers, so
-             queueing it never waits for the device's earlier work.
 - samples    tokens and logprobs of either forward in one (2, B) float64 buffer, broadcast from
              the first rank of a tensor-parallel replica so every rank appends the same tokens;
              a decode's copy to the host goes to one of two pinned buffers and is waited for by a
@@ -71,47 +69,6 @@ _PREFILL_GRAPH_MAX_TOKENS = 2048
 _PREFILL_GRAPH_MAX_PAIRS = 1 << 19
 
 
-class Uploads:
-    """Host-to-device copies of a step's inputs that do not make the host wait for the device.
-
-    From pageable memory a `non_blocking` copy still returns only once the stream has reached it:
-    behind a decode graph already queued, each upload of a step waited ~0.4-0.5 ms (H200,
-    docs/benchmarks.md, 2026-12-02 evening), which undid the one-step lookahead. Here a CPU tensor
-    is first copied into the next of `slots` pinned buffers (round robin), so the copy is queued
-    and the host goes on; a slot is written again only after the event of the copy that last read
-    it has completed (`slots` uploads earlier: in practice long done). A tensor larger than a slot
-    goes through torch's caching host allocator (`pin_memory`). With `pinned` False (CPU; on CUDA
-    MESHRL_PINNED_UPLOADS=0, or set on the instance for A/B runs) it copies straight from the tensor."""
-
-    def __init__(self, device: torch.device, slots: int = 16, slot_bytes: int = 1 << 17) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda" and os.environ.get("MESHRL_PINNED_UPLOADS") != "0"
-        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)] \
-            if device.type == "cuda" else []
-        self._events: list[torch.cuda.Event | None] = [None] * len(self._slots)
-        self._next = 0
-
-    def __call__(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """t (a contiguous CPU tensor) on the device, in `out` when given (same shape and dtype);
-        the copy is queued on the current stream."""
-        nbytes = t.numel() * t.element_size()
-        if not self.pinned or nbytes > self._slots[0].numel():
-            t = t.pin_memory() if self.pinned else t
-            return t.to(self.device, non_blocking=True) if out is None else out.copy_(t, non_blocking=True)
-        i = self._next
-        self._next = (i + 1) % len(self._slots)
-        event = self._events[i]
-        if event is None:
-            event = self._events[i] = torch.cuda.Event()
-        else:
-            event.synchronize()  # the copy that last read this slot is done
-        staged = self._slots[i][:nbytes].view(t.dtype).view(t.shape)
-        staged.copy_(t)
-        out = staged.to(self.device, non_blocking=True) if out is None else out.copy_(staged, non_blocking=True)
-        event.record()
-        return out
-
-
 def _batch_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
     sizes += list(range(160, max_num_seqs + 64, 32 if max_num_seqs <= 512 else 64))
@@ -133,8 +90,7 @@ class DecodeRows:
     faster at 256 rows).
     """
 
-    def __init__(self, num_rows: int, max_blocks: int, device: torch.device, upload: Uploads) -> None:
-        self.upload = upload
+    def __init__(self, num_rows: int, max_blocks: int, device: torch.device) -> None:
         self.token = array("q", bytes(8 * num_rows))
         self.position = array("q", bytes(8 * num_rows))
         self.slot = array("q", bytes(8 * num_rows))
@@ -154,7 +110,10 @@ class DecodeRows:
         """Copy rows [0, B) and the queued block-table entries to the device buffers."""
         staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
                   + array("q", self.table_updates))
-        dev = self.upload(torch.frombuffer(staged, dtype=torch.long))
+        # From pageable memory: a small copy is staged by the driver and does not wait for the graph
+        # in flight (38 us on an H200). Pinned staging buffers measured slower twice (docs/benchmarks.md,
+        # 2026-12-02 evening: plain_8 1.89-2.03 vs 1.69-1.70 ms a step).
+        dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
         self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
         self.inputs[0, :B, 0].copy_(torch.where(dev[4 * B:5 * B].bool(), self.last[:B], self.inputs[0, :B, 0]))
         torch.add(dev[B:2 * B], 1, out=self.context_lens[:B])
@@ -188,8 +147,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.tp_group = tp_group
         # Persistent decode inputs, one entry per row (the scheduler writes their host side).
-        self.upload = Uploads(device)
-        self.rows = DecodeRows(max_num_seqs, max_blocks, device, self.upload)
+        self.rows = DecodeRows(max_num_seqs, max_blocks, device)
         # CPU decode attention over a dense copy of the rows' k/v (runtime/engine/dense_decode.py).
         self.dense = DenseRows(kv, max_num_seqs, max_blocks) if dense_rows_fit(kv, device, attention, states is not None) \
             else None
@@ -230,10 +188,11 @@ class ModelRunner:
                 self.graph_prefill = False
                 key = None
         if key is None:
-            dev = self.upload(torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long))
+            dev = torch.frombuffer(self._prefill_inputs(rows, B, T, nb), dtype=torch.long).to(self.device,
+                                                                                                non_blocking=True)
             return self._prefill_hidden(dev, B, T, nb, fresh, rows)
         graph, inputs, hidden = self.prefill_graphs[key]
-        self.upload(torch.frombuffer(self._prefill_inputs(rows, *key[:3]), dtype=torch.long), out=inputs)
+        inputs.copy_(torch.frombuffer(self._prefill_inputs(rows, *key[:3]), dtype=torch.long), non_blocking=True)
         graph.replay()
         return hidden[:B, :T]
 
@@ -313,12 +272,12 @@ class ModelRunner:
         device = self.device
         D, S = len(done_rows), len(samplers)
         # One upload: rows, last positions, logit rows and sampling counters.
-        dev = self.upload(torch.tensor(done_rows + last + logit_rows + [len(s.tokens) - s.num_prompt for s in samplers]))
+        dev = torch.tensor(done_rows + last + logit_rows + [len(s.tokens) - s.num_prompt for s in samplers]).to(
+            device, non_blocking=True)
         logits = F.linear(hidden[dev[:D], dev[D:2 * D]], self.model.output_weight)  # (D, V)
         if len(logit_rows) != D:
             logits = logits[dev[2 * D:2 * D + S]]
-        batch = SamplingBatch.build([s.request.sampling for s in samplers], [s.seed for s in samplers], device,
-                                    self.upload)
+        batch = SamplingBatch.build([s.request.sampling for s in samplers], [s.seed for s in samplers], device)
         counters = dev[-S:]
         tokens, logprobs = sample(logits, batch, counters)
         out = self._samples(tokens, logprobs).cpu()
@@ -346,7 +305,7 @@ class ModelRunner:
             seeds = [0] * B
             for seq in seqs:
                 params[seq.row], seeds[seq.row] = seq.request.sampling, seq.seed
-            self._sampling_batch = SamplingBatch.build(params, seeds, self.device, self.upload)
+            self._sampling_batch = SamplingBatch.build(params, seeds, self.device)
             if self.cuda_graphs:
                 self.static_sampling.load(self._sampling_batch)
             self._sampling_key = key

@@ -159,12 +159,9 @@ class SamplingBatch:
     unit_temperature: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams | None], seeds: list[int], device: torch.device,
-              upload: Callable[[Tensor], Tensor] | None = None) -> SamplingBatch:
+    def build(cls, params: list[SamplingParams | None], seeds: list[int], device: torch.device) -> SamplingBatch:
         """params[i] None marks a pad row: sampled greedily, its token is thrown away, so it turns
-        on no work (a greedy pad must not make a batch of sampled rows compute the argmax).
-        upload: how a host tensor reaches the device (the runner's pinned `Uploads`; default a
-        non-blocking copy)."""
+        on no work (a greedy pad must not make a batch of sampled rows compute the argmax)."""
         pad = SamplingParams(temperature=0.0)
         rows = [p or pad for p in params]
         real = [p for p in params if p is not None]
@@ -175,7 +172,7 @@ class SamplingBatch:
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
 
         def move(t: Tensor) -> Tensor:
-            return upload(t) if upload is not None else t.to(device, non_blocking=True)
+            return t.to(device, non_blocking=True)
 
         return cls(
             temperature=move(temperature),
