@@ -31,7 +31,7 @@ k/v into their slots (block * block_size + offset) and attends over each row's b
   query rows), so k/v are never repeated. Exact, simple, and fixed-shape when L is bucketed,
   but it moves every gathered key twice.
 - "triton" backend (CUDA decode only, T == 1): runtime/engine/kernels.py's `paged_decode_attention`
-  reads k/v straight from the blocks with an online softmax, tiles of 64 keys, tensor-core
+  reads k/v straight from the blocks with an online softmax, tiles of 32 keys, tensor-core
   products and, for few rows, split key ranges. It reads each cached key once, which is what
   the decode loop is bound by. It is used only if triton imports; prefill always takes the torch
   path (prefill without a cached prefix uses SDPA's causal kernel on the new tokens directly).
