@@ -190,7 +190,8 @@ class NativeEngine:
                                   cuda_graphs=cuda_graphs, tp_group=self.tp_group, states=self.states)
         self.scheduler = Scheduler(self.blocks, self.kv, self.runner.rows, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
-                                   prefix_sharing=self.prefix_sharing, detokenize=detokenize)
+                                   prefix_sharing=self.prefix_sharing, detokenize=detokenize,
+                                   compact_rows=self.states is None)  # a row's recurrent state does not move
         self._rng = random.Random(seed)  # seeds of samples whose request has none
         self._pending_aborts: list[Completion] = []
         self._launched: _Launch | None = None  # the decode launch whose tokens the next step reads

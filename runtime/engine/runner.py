@@ -97,6 +97,7 @@ class DecodeRows:
         self.count = array("q", bytes(8 * num_rows))
         self.follow = array("q", bytes(8 * num_rows))
         self.table_updates: list[int] = []  # row, index, block, row, index, block, ...
+        self.moves: list[int] = []  # from, to, ...: rows whose in-flight token (`last`) moves with its sequence
         self.refills: list[int] = []  # rows whose whole table was queued: their dense k/v are refilled
         self.inputs = torch.zeros((4, num_rows, 1), dtype=torch.long, device=device)  # token, position, slot, count
         self.context_lens = torch.ones(num_rows, dtype=torch.int32, device=device)
@@ -109,16 +110,22 @@ class DecodeRows:
     def push(self, B: int) -> None:
         """Copy rows [0, B) and the queued block-table entries to the device buffers."""
         staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
-                  + array("q", self.table_updates))
+                  + array("q", self.moves) + array("q", self.table_updates))
         # From pageable memory: a small copy is staged by the driver and does not wait for the graph
         # in flight (38 us on an H200). Pinned staging buffers measured slower twice (docs/benchmarks.md,
         # 2026-12-02 evening: plain_8 1.89-2.03 vs 1.69-1.70 ms a step).
         dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
         self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
+        end = 5 * B
+        if self.moves:  # before the rows read `last`: a moved row's in-flight token
+            end += len(self.moves)
+            moves = dev[5 * B:end].view(-1, 2)
+            self.last[moves[:, 1]] = self.last[moves[:, 0]]
+            self.moves = []
         self.inputs[0, :B, 0].copy_(torch.where(dev[4 * B:5 * B].bool(), self.last[:B], self.inputs[0, :B, 0]))
         torch.add(dev[B:2 * B], 1, out=self.context_lens[:B])
         if self.table_updates:
-            updates = dev[5 * B:].view(-1, 3)
+            updates = dev[end:].view(-1, 3)
             self.tables.index_put_((updates[:, 0], updates[:, 1]), updates[:, 2].to(torch.int32))
             self.table_updates = []
 

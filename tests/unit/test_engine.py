@@ -514,6 +514,50 @@ def test_graph_path_gives_the_same_completions_as_eager():
         assert max(abs(x - y) for x, y in zip(a[3], b[3])) <= 1e-5  # padded batches round differently
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_sparse_tail_of_rows_is_moved_down_without_changing_completions(graphs):
+    """20 requests take rows 0-19; the low rows finish within a few tokens and 3 long ones on
+    rows 17-19 remain, with their next tokens in flight. The scheduler moves them down
+    (`_compact_rows`: host inputs, whole block tables, the in-flight token on the device), so later
+    launches span at most 8 rows (it leaves spans of 8 or fewer alone), not 20; completions (tokens and logprobs, greedy and seeded) equal those of
+    the same engine with the moves off, and the bookkeeping invariants hold after every step
+    (eager and emulated-graph paths)."""
+    def run(compact: bool) -> tuple[list, list[int]]:
+        engine = make_engine(model, max_num_seqs=24, max_model_len=64)
+        if graphs:
+            emulate_cuda_graphs(engine)
+        engine.scheduler.compact_rows = compact
+        spans, reserve = [], engine.scheduler.reserve_decode
+        engine.scheduler.reserve_decode = lambda: (lambda out: (spans.append(out[1]), out)[1])(reserve())
+        rows, push = engine.runner.rows, engine.runner.rows.push
+        rows.push = lambda B: (moved_tokens.append(len(rows.moves) // 2), push(B))
+        rng = random.Random(11)
+        for rid in range(20):
+            long = rid >= 17
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+            sampling = (SamplingParams(temperature=1.0, seed=rid, max_tokens=30) if long and rid % 2
+                        else SamplingParams(temperature=0.0, max_tokens=30 if long else 2 + rid % 3))
+            engine.add(Request(rid, prompt, sampling))
+        out = []
+        while engine.has_work():
+            out += [(c.request_id, c.token_ids, c.logprobs) for c in engine.step()]
+            engine.check()
+        assert_no_leak(engine)
+        return sorted(out), spans
+
+    model, moved_tokens = tiny_model(), []
+    kept, kept_spans = run(compact=False)
+    assert not any(moved_tokens)
+    moved, moved_spans = run(compact=True)
+    assert max(kept_spans[-5:]) == 20  # without moves the tail still spans rows 0-19
+    assert max(moved_spans[-5:]) <= 8
+    assert sum(moved_tokens) >= 3  # the long ones moved with a token in flight
+    assert [x[:2] for x in moved] == [x[:2] for x in kept]
+    for a, b in zip(moved, kept):
+        assert max(abs(x - y) for x, y in zip(a[2], b[2])) <= 1e-5
+    assert [len(x[1]) for x in moved if x[0] >= 17] == [30, 30, 30]
+
+
 def test_prefill_graphs_give_the_same_completions_as_eager():
     """Small prefills replay a graph per padded (rows, tokens[, blocks]) bucket (emulated on CPU):
     pad rows, pad tokens, cut or padded block tables and one persistent input buffer per bucket. With
