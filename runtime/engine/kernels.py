@@ -157,13 +157,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_sb, stride_sp, stride_sh, scale,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                   D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + row)
-    # The row's own keys cut into equal whole tiles, one range per split: every split of a row does
-    # the same work at every length (splits past the row's last tile get none).
-    span = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), TILE) * TILE
+    span = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), TILE) * TILE  # the row's keys in equal whole tiles
     start = split * span
     end = tl.minimum(ctx, start + span)
     g = tl.arange(0, GROUP_PAD)
@@ -205,8 +201,7 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    if SPLIT:
-        # Partial state of this key range: unnormalised output, running max and sum.
+    if SPLIT:  # partial state of this key range: unnormalised output, running max and sum
         base = row * stride_mb + heads * stride_mh + split
         tl.store(m_ptr + base, m, mask=g_mask)
         tl.store(l_ptr + base, denom, mask=g_mask)

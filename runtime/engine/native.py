@@ -161,8 +161,7 @@ class NativeEngine:
         _check_model_fits(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.kv_fp8 = _quantize(self.model, self.device, quantization, kv_cache_dtype, tp_group)
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens or max(8192, max_model_len)
         if self.max_num_batched_tokens < 2:  # a prompt's last two tokens must fit one prefill
@@ -191,7 +190,7 @@ class NativeEngine:
         self.scheduler = Scheduler(self.blocks, self.kv, self.runner.rows, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    prefix_sharing=self.prefix_sharing, detokenize=detokenize,
-                                   compact_rows=self.states is None)  # a row's recurrent state does not move
+                                   compact_rows=self.states is None)
         self._rng = random.Random(seed)  # seeds of samples whose request has none
         self._pending_aborts: list[Completion] = []
         self._launched: _Launch | None = None  # the decode launch whose tokens the next step reads

@@ -1,7 +1,7 @@
 """The native engine's scheduler: host bookkeeping of every sequence, and what each step computes.
 
 It owns the queues (waiting, running by row, live by request), the rows (a heap of free ones:
-lowest rows first keeps decode batches dense, and a sparse tail is moved down: `_compact_rows`),
+lowest rows first keeps decode batches dense, and a sparse tail is moved down: `compact_rows`),
 the block tables (runtime/engine/kv_cache.py's
 `BlockManager` and prefix cache), the host side of the decode rows' inputs, the stop rules'
 outcome (finish, abort, free) and the invariant checks. Forwards are runtime/engine/runner.py's.
@@ -54,8 +54,6 @@ class Scheduler:
 
     blocks, kv: the block manager and the cache it hands out (the scheduler queues copy-on-write
     copies in it). rows: the runner's decode rows, whose host inputs the scheduler keeps.
-    compact_rows: move running sequences down into free rows when the rows in use span at least
-    twice their number (`_compact_rows`); off for models with per-row recurrent states.
     Every rank of a tensor-parallel replica runs one, on the same requests and tokens.
     """
 
@@ -63,11 +61,10 @@ class Scheduler:
                  max_num_batched_tokens: int, prefix_sharing: bool,
                  detokenize: Callable[[list[int]], str] | None, compact_rows: bool = True) -> None:
         self.blocks, self.kv, self.rows = blocks, kv, rows
-        self.compact_rows = compact_rows  # off where a row also owns state the move does not carry
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefix_sharing = prefix_sharing
+        self.prefix_sharing, self.compact_rows = prefix_sharing, compact_rows
         self.detokenize = detokenize
         self.version = 0
         self.waiting: deque[Sequence] = deque()
@@ -204,31 +201,6 @@ class Scheduler:
             self.blocks.register(seq.table[i], seq.hashes[i], parent, tuple(seq.tokens[i * bs:(i + 1) * bs]))
         seq.num_registered = num_full
 
-    def _compact_rows(self) -> None:
-        """Move the running sequences on rows >= n (n running in all) into the free rows below n,
-        when the rows in use span at least twice n (and more than 8). A decode launch spans rows 0
-        to the highest live one, so without this a batch's tail of a few long sequences on high
-        rows keeps running the widest decode graph. A moved sequence's row inputs and whole block
-        table are sent again (`ready` off: reserve_decode's path for a sequence that starts
-        decoding), and a token still in flight for it is carried on the device to its new row
-        (`DecodeRows.moves`). Rare by design: the 2x margin means a move shrinks the span by half."""
-        n = len(self.running)
-        span = max(self.running) + 1
-        if span <= 8 or span < 2 * n:
-            return
-        movers = sorted(r for r in self.running if r >= n)
-        targets = sorted(r for r in self.free_rows if r < n)  # exactly as many as movers
-        for old, new in zip(movers, targets):
-            seq = self.running.pop(old)
-            self.rows.clear(old)
-            if seq.inflight:
-                self.rows.moves += (old, new)
-            seq.row, seq.ready = new, False
-            self.running[new] = seq
-        self.free_rows = [r for r in self.free_rows if r >= n] + movers
-        heapq.heapify(self.free_rows)
-        self._layout_stale = True
-
     # ------------------------------------------------------------------ scheduling
 
     def _layout(self) -> None:
@@ -250,14 +222,13 @@ class Scheduler:
 
     def reserve_decode(self) -> tuple[list[Sequence], int]:
         """The decode set, oldest first, each with a writable block for its new token, and the
-        number of rows it spans (after `_compact_rows`, where that is on).
+        number of rows it spans (after `compact_rows`).
 
         Only sequences in `_block_checks` can need a block (a new one, or a private copy of a shared
         one): the others write into the block they wrote last step, which nothing else can have
         referenced or cached since (blocks are shared or registered only once full or at a fork).
         """
-        if self.compact_rows and self.running:
-            self._compact_rows()
+        compact_rows(self)
         self._layout()
         if self._block_checks:
             bs, rows, blocks = self.block_size, self.rows, self.blocks
@@ -478,6 +449,35 @@ class Scheduler:
             elif n >= seq.limit:
                 finished.append(self._finish(seq, "length"))
         return finished
+
+
+def compact_rows(s: Scheduler) -> None:
+    """Move the running sequences on rows >= n (n running in all) into the free rows below n,
+    when the rows in use span at least twice n (and more than 8), unless `s.compact_rows` (the
+    Scheduler argument; the engine turns it off for models with per-row recurrent states) is off.
+    A decode launch spans rows 0 to the highest live one, so without this a batch's tail of a few
+    long sequences on high rows keeps running the widest decode graph. A moved sequence's row
+    inputs and whole block table are sent again (`ready` off: reserve_decode's path for a sequence
+    that starts decoding), and a token still in flight for it is carried on the device to its new
+    row (`DecodeRows.moves`). Rare by design: the 2x margin means a move halves the span at least."""
+    if not s.compact_rows or not s.running:
+        return
+    n = len(s.running)
+    span = max(s.running) + 1
+    if span <= 8 or span < 2 * n:
+        return
+    movers = sorted(r for r in s.running if r >= n)
+    targets = sorted(r for r in s.free_rows if r < n)  # exactly as many as movers
+    for old, new in zip(movers, targets):
+        seq = s.running.pop(old)
+        s.rows.clear(old)
+        if seq.inflight:
+            s.rows.moves += (old, new)
+        seq.row, seq.ready = new, False
+        s.running[new] = seq
+    s.free_rows = [r for r in s.free_rows if r >= n] + movers
+    heapq.heapify(s.free_rows)
+    s._layout_stale = True
 
 
 def check(s: Scheduler) -> None:

@@ -518,7 +518,7 @@ def test_graph_path_gives_the_same_completions_as_eager():
 def test_a_sparse_tail_of_rows_is_moved_down_without_changing_completions(graphs):
     """20 requests take rows 0-19; the low rows finish within a few tokens and 3 long ones on
     rows 17-19 remain, with their next tokens in flight. The scheduler moves them down
-    (`_compact_rows`: host inputs, whole block tables, the in-flight token on the device), so later
+    (`compact_rows`: host inputs, whole block tables, the in-flight token on the device), so later
     launches span at most 8 rows (it leaves spans of 8 or fewer alone), not 20; completions (tokens and logprobs, greedy and seeded) equal those of
     the same engine with the moves off, and the bookkeeping invariants hold after every step
     (eager and emulated-graph paths)."""
