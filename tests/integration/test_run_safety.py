@@ -147,6 +147,13 @@ def test_one_run_dir_ctrl_c_crafted_and_damaged_checkpoints_and_a_frozen_rank(co
              and metrics_steps(run)[good:] and len(metrics_steps(run)) >= good + 2, proc=job)  # steps good.. again
     pids = [job.pid, *children(job.pid), *rank_pids(run).values()]
     frozen = rank_pids(run)["inference"]
+    # The watcher names a frozen rank by its last heartbeat. The role is published within one poll
+    # (at most 0.5 s) of the rank learning it, so wait three beat intervals before freezing it. Twice,
+    # on a loaded 2-core machine, a freeze right after the steps found the last beat still
+    # "starting": the tiny model's steps came within a beat of the role.
+    from meshrl.runtime.liveness import interval_for
+
+    time.sleep(3 * interval_for(5))
     os.kill(frozen, signal.SIGSTOP)
     try:
         _, err = job.communicate(timeout=120)
