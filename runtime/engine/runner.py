@@ -108,11 +108,12 @@ class DecodeRows:
         self.token[row] = self.position[row] = self.slot[row] = self.count[row] = self.follow[row] = 0
 
     def push(self, B: int) -> None:
-        """Copy rows [0, B) and the queued block-table entries to the device buffers."""
+        """Copy rows [0, B) and the queued block-table entries to the device buffers, after the
+        in-flight tokens of rows the scheduler moved (`moves`) are carried to their new rows."""
         staged = (self.token[:B] + self.position[:B] + self.slot[:B] + self.count[:B] + self.follow[:B]
                   + array("q", self.moves) + array("q", self.table_updates))
         # From pageable memory: a small copy is staged by the driver and does not wait for the graph
-        # in flight (38 us on an H200). Pinned staging buffers measured slower twice (docs/benchmarks.md,
+        # in flight (38 us on an H200). A ring of pinned staging buffers measured slower (docs/benchmarks.md,
         # 2026-12-02 evening: plain_8 1.89-2.03 vs 1.69-1.70 ms a step).
         dev = torch.frombuffer(staged, dtype=torch.long).to(self.inputs.device, non_blocking=True)
         self.inputs[:, :B, 0].copy_(dev[:4 * B].view(4, B))
