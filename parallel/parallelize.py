@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
@@ -167,9 +168,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, expe
 
         for experts in expert_modules(model):
             _set_sum(fully_shard(experts, mesh=expert_mesh, mp_policy=mp))
+    # The last block is needed again right away by backward: keep it unsharded. On a one-rank mesh
+    # MESHRL_ONE_RANK_KEEP_UNSHARDED=1 keeps every block's compute-dtype copy from forward to
+    # backward (no second all-gather and its copies; measured in docs/benchmarks.md).
+    keep = mesh.size() == 1 and os.environ.get("MESHRL_ONE_RANK_KEEP_UNSHARDED") == "1"
     for i, block in enumerate(blocks):
-        # the last block is needed again right away by backward: keep it unsharded
-        _set_sum(fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1))
+        _set_sum(fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1))
     _set_sum(fully_shard(model, mesh=mesh, mp_policy=mp))
 
 
@@ -255,13 +259,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, shard_group: torch.distri
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in local:
-        total += g.detach().float().pow(2).sum()
+    # One multi-tensor kernel per (device, dtype) group for the norms and one for the rescale (the
+    # loop of pow / sum / mul_ per parameter it replaces launched ~4 kernels per parameter).
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if local:
+        squares = torch.nn.utils.get_total_norm(local, 2.0).float().square()
     if shard_group is not None and torch.distributed.get_world_size(shard_group) > 1:
-        torch.distributed.all_reduce(total, group=shard_group)
-    norm = total.sqrt()
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in local:
-        g.detach().mul_(scale.to(g.dtype))
-    return float(norm)
+        torch.distributed.all_reduce(squares, group=shard_group)
+    norm = float(squares.sqrt())
+    scale = min(1.0, max_norm / (norm + 1e-6))  # a non-finite norm leaves the gradients as they are
+    if local and scale < 1.0:
+        for group in _by_device_and_dtype(local):
+            torch._foreach_mul_(group, scale)
+    return norm
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())

@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -289,18 +290,64 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
 
 def _profile(trainer, rows: list, tokens: int, cuda: bool, rank: int) -> None:
     """One more step under the torch profiler; rank 0 prints the top kernels to stderr and, on CUDA,
-    the top host operations too (a step whose device idles is bound by them)."""
+    the top host operations too (a step whose device idles is bound by them), then one JSON line
+    `{"profile_timeline": ...}` (`timeline`): where the step's device time went."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         trainer.sft_step(rows, num_loss_tokens=tokens)
         if cuda:
             torch.cuda.synchronize()
+    wall = time.perf_counter() - start
     if rank == 0:
         averages = prof.key_averages()
         for key in ("self_cuda_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",):
             print(averages.table(sort_by=key, row_limit=30, max_name_column_width=70), file=sys.stderr)
+        if cuda:
+            print(json.dumps({"profile_timeline": timeline(prof.profiler.kineto_results.events(), wall)}),
+                  file=sys.stderr)
+
+
+# kernel name -> category of `timeline`, first match wins
+_CATEGORIES = (("nccl", re.compile(r"nccl", re.I)),
+               ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
+               ("optimizer", re.compile(r"adam|multi_tensor_apply", re.I)),
+               ("copy", re.compile(r"memcpy|memset|copy|CatArray|split_with_sizes|chunk_cat", re.I)),
+               ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm100_", re.I)),
+               ("compiled", re.compile(r"^triton_")))
+
+
+def timeline(events, wall_s: float) -> dict:
+    """Device time of one profiled step from the profiler's raw events: the busy time (the union of
+    all kernels, memcpys and memsets over every stream), the idle rest of the step's wall time, each
+    stream's busy time, and kernel time by category (`_CATEGORIES`; "other" for the rest, e.g. the
+    eager element-wise kernels). Categories sum kernel durations: overlapping streams count twice."""
+    spans, by_stream, by_category = [], {}, {}
+    for e in events:
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        begin, end = e.start_ns(), e.start_ns() + e.duration_ns()
+        spans.append((begin, end))
+        stream = int(e.device_resource_id())
+        by_stream[stream] = by_stream.get(stream, 0) + e.duration_ns()
+        name = e.name()
+        category = next((c for c, pattern in _CATEGORIES if pattern.search(name)), "other")
+        by_category[category] = by_category.get(category, 0) + e.duration_ns()
+    busy, last = 0, None
+    for begin, end in sorted(spans):
+        if last is None or begin > last:
+            busy += end - begin
+            last = end
+        elif end > last:
+            busy += end - last
+            last = end
+    ms = lambda ns: round(ns / 1e6, 2)  # noqa: E731
+    return {"wall_ms": round(wall_s * 1e3, 2), "device_busy_ms": ms(busy),
+            "device_idle_ms": round(wall_s * 1e3 - busy / 1e6, 2), "kernels": len(spans),
+            "streams_busy_ms": {str(k): ms(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
+            "by_category_ms": {k: ms(v) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])}}
 
 
 def main(argv: list[str]) -> None:

@@ -136,6 +136,29 @@ def test_attention_flops_count_each_layer_kind():
     assert trainer_bench.attention_flops(q35, 64, 2, 3) == 3 * (3 * 18 * 4 * 16 * 16 * 64 + 6 * 4 * 32 * pairs)
 
 
+class _Event:  # the part of a profiler's raw event that `timeline` reads
+    def __init__(self, start, length, stream, name, device=torch.autograd.DeviceType.CUDA):
+        self._v = (start, length, stream, name, device)
+
+    def start_ns(self): return self._v[0]  # noqa: E704
+    def duration_ns(self): return self._v[1]  # noqa: E704
+    def device_resource_id(self): return self._v[2]  # noqa: E704
+    def name(self): return self._v[3]  # noqa: E704
+    def device_type(self): return self._v[4]  # noqa: E704
+
+
+def test_trainer_profile_timeline_takes_the_union_of_overlapping_streams():
+    ms = 1_000_000
+    events = [_Event(0, 4 * ms, 7, "nvjet_tst_128x256_h_bz_coopA"), _Event(1 * ms, 2 * ms, 20, "ncclDevKernel_AllGather"),
+              _Event(3 * ms, 3 * ms, 20, "void at::native::direct_copy_kernel_cuda"),  # overlaps the matmul by 1 ms
+              _Event(8 * ms, 1 * ms, 7, "triton_poi_fused_add_mul_0"),
+              _Event(9 * ms, 1 * ms, 7, "void flash_fwd_kernel"), _Event(0, 5 * ms, 0, "aten::mm", torch.autograd.DeviceType.CPU)]
+    row = trainer_bench.timeline(events, wall_s=0.012)
+    assert row["device_busy_ms"] == 8.0 and row["device_idle_ms"] == 4.0 and row["kernels"] == 5  # [0, 6) + [8, 10)
+    assert row["streams_busy_ms"] == {"7": 6.0, "20": 5.0}
+    assert row["by_category_ms"] == {"matmul": 4.0, "copy": 3.0, "nccl": 2.0, "compiled": 1.0, "attention": 1.0}
+
+
 def test_matrix_runs_the_hybrid_family_and_counts_its_states(capsys):
     bm.main(["--family", "qwen3_5", "--device", "cpu", "--workloads", "plain_8,grpo", "--scale", "0.01",
              "--batch-scale", "0.04", "--hbm-gbps", "50", "--max-num-seqs", "64"])
