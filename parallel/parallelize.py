@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
@@ -47,12 +46,14 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(model: nn.Module, meshes: TrainerMeshes | DeviceMesh, compute_dtype: torch.dtype,
-                ac: str = "none", ac_every: int = 1, compile: bool = False) -> nn.Module:
+                ac: str = "none", ac_every: int = 1, compile: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
     """Apply EP -> CP -> AC -> compile -> FSDP2 to `model` in place and return it.
 
     `meshes` is a `TrainerMeshes` (from parallel.dims.build_meshes) or, for plain FSDP2, a 1-D
     DeviceMesh. `ac` is "none" | "full" | "selective"; with "full", `ac_every = N` checkpoints
-    every N-th block only.
+    every N-th block only. `reshard_after_forward` false keeps every block's gathered weights from
+    its forward to its backward (`ParallelConfig.reshard_after_forward`).
     """
     if isinstance(meshes, DeviceMesh):
         fsdp_mesh, ep_mesh, expert_mesh, cp = meshes, None, None, 1
@@ -73,7 +74,7 @@ def parallelize(model: nn.Module, meshes: TrainerMeshes | DeviceMesh, compute_dt
     apply_activation_checkpointing(blocks, ac, ac_every)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(model, blocks, fsdp_mesh, expert_mesh, compute_dtype)
+    apply_fsdp(model, blocks, fsdp_mesh, expert_mesh, compute_dtype, reshard_after_forward)
     return model
 
 
@@ -161,20 +162,27 @@ def _set_sum(module: FSDPModule) -> None:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, expert_mesh: DeviceMesh | None,
-               compute_dtype: torch.dtype) -> None:
+               compute_dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if expert_mesh is not None:
         from meshrl.parallel.expert_parallel import expert_modules
 
         for experts in expert_modules(model):
             _set_sum(fully_shard(experts, mesh=expert_mesh, mp_policy=mp))
-    # The last block is needed again right away by backward: keep it unsharded. On a one-rank mesh
-    # MESHRL_ONE_RANK_KEEP_UNSHARDED=1 keeps every block's compute-dtype copy from forward to
-    # backward (no second all-gather and its copies; measured in docs/benchmarks.md).
-    keep = mesh.size() == 1 and os.environ.get("MESHRL_ONE_RANK_KEEP_UNSHARDED") == "1"
     for i, block in enumerate(blocks):
-        _set_sum(fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1))
+        # the last block is needed again right away by backward: keep it unsharded
+        _set_sum(fully_shard(block, mesh=mesh, mp_policy=mp,
+                             reshard_after_forward=reshard_after_forward and i < len(blocks) - 1))
     _set_sum(fully_shard(model, mesh=mesh, mp_policy=mp))
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered weights. A forward without a backward (no-grad evaluation)
+    leaves the units that are not resharded after forward (`reshard_after_forward`, the last block,
+    the root) gathered; an optimizer step would then update only the shards under them."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -238,6 +238,19 @@ class ParallelConfig(Base):
     """With activation_checkpointing = "full": checkpoint every N-th block only."""
     compile: bool = False
     """torch.compile every transformer block (GPU; on CPU it needs a C++ compiler)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free each block's gathered compute-dtype weights after its forward and gather them again
+    in its backward (true), or keep them until its backward (false: one gather a step instead of two,
+    for the model's weights held once more in the compute dtype through the step). None: false on a
+    one-rank trainer mesh outside the colocated layout (nothing is sharded there, and the second gather
+    is only copies: docs/benchmarks.md measures it), true otherwise. The last block is never resharded
+    after forward (backward needs it at once)."""
+
+    def reshards(self, num_ranks: int, colocated: bool) -> bool:
+        """`reshard_after_forward` resolved for `num_ranks` trainer ranks (see its docstring)."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return num_ranks > 1 or colocated
 
     def dims(self, num_ranks: int):
         """The validated `parallel.dims.ParallelDims` for `num_ranks` trainer ranks."""

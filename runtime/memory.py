@@ -6,7 +6,7 @@ linear-attention layers (Qwen3.5, Qwen3-Next: one slot per max_num_seqs row) and
 workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest, which must hold its share of the fp32 parameters, their
 gradients and AdamW's two moments (with LoRA: the frozen fp32 base, and those three for the adapters
 only), the shared weight buffer of the colocated path, one layer's
-gathered bf16 weights and the activations of one micro-batch. `plan` adds these up from the model
+gathered bf16 weights (every layer's when trainer.parallel.reshard_after_forward is false) and the activations of one micro-batch. `plan` adds these up from the model
 shape (an estimate for the activations, stated as such), and `check` refuses a budget that cannot
 hold them before any process starts, with the numbers. With inference.sleep_while_training the
 engine frees its KV cache while the trainer steps, so the cache and the step's memory (activations,
@@ -47,7 +47,8 @@ class MemoryPlan:
     engine_reserve: int  # ENGINE_RESERVE + the sampler's (max_num_seqs, vocab) fp32 buffers
     trainer_state: int  # fp32 parameters + gradients + two AdamW moments, this rank's share
     staging: int  # the shared weight buffer (inference dtype)
-    gathered_layer: int  # one layer's full bf16 weights during FSDP2's forward / backward
+    gathered: int  # one layer's full bf16 weights and gradients in FSDP2's forward / backward (with
+    # trainer.parallel.reshard_after_forward = false: every layer's bf16 weights, and one layer's gradients)
     activations: int  # one micro-batch, estimated
     logprob_head: int  # one chunk of fp32 logits and its gradient (the torch path; the fused kernels hold less)
     recurrent_states: int = 0  # linear-attention layers' state slots, max_num_seqs rows (native engine)
@@ -64,7 +65,7 @@ class MemoryPlan:
     @property
     def step_memory(self) -> int:
         """What the trainer holds only while it steps (freed after every step when the engine sleeps)."""
-        return self.gathered_layer + self.activations + self.logprob_head
+        return self.gathered + self.activations + self.logprob_head
 
     @property
     def peak(self) -> int:
@@ -79,8 +80,8 @@ class MemoryPlan:
         return (f"engine {g(self.engine)} GiB (weights {g(self.engine_weights)}, KV cache {g(self.kv_cache)}, "
                 + (f"recurrent states {g(self.recurrent_states)}, " if self.recurrent_states else "")
                 + f"reserve {g(self.engine_reserve + CONTEXT)}) + trainer {g(self.trainer)} GiB (parameters, gradients "
-                f"and AdamW {g(self.trainer_state)}, shared weight buffer {g(self.staging)}, one gathered layer "
-                f"{g(self.gathered_layer)}, activations of one micro-batch ~{g(self.activations)} (estimated), "
+                f"and AdamW {g(self.trainer_state)}, shared weight buffer {g(self.staging)}, gathered weights "
+                f"{g(self.gathered)}, activations of one micro-batch ~{g(self.activations)} (estimated), "
                 f"logprob head {g(self.logprob_head)}, context {g(CONTEXT)})"
                 + (f", {g(self.peak)} GiB at once while the engine sleeps during steps" if self.sleeps else "")
                 + f" of {g(self.device)} GiB")
@@ -125,7 +126,8 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
                         + (CONTEXT if cfg.inference.backend == "vllm" else 0)),
         trainer_state=state // cfg.layout.num_trainer_ranks,
         staging=2 * params,
-        gathered_layer=2 * 2 * layer_params,  # bf16 weights and their gradients
+        gathered=(2 * 2 * layer_params if t.parallel.reshards(cfg.layout.num_trainer_ranks, colocated=True)
+                  else 2 * sum(p.numel() for layer in layers for p in layer.parameters()) + 2 * layer_params),
         activations=_ACTIVATION_BYTES_PER_DIM[ac] * dim * tokens * len(layers),
         logprob_head=3 * 4 * chunk * vocab,
         recurrent_states=_recurrent_states(cfg, model),

@@ -79,6 +79,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     p.add_argument("--ac-every", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "true", "false"],
+                   help="FSDP2 (trainer.parallel.reshard_after_forward); auto: false on one rank, true on more")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn", "split"])
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per chunk of the logprob head")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -221,6 +223,7 @@ def run_rank(opts: argparse.Namespace) -> dict | None:
         "bench": "trainer", "family": opts.family, "flavor": opts.flavor, "world_size": world,
         "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep,
         "seq_len": opts.seq_len, "docs": opts.docs, "rows": opts.rows, "ac": opts.ac, "compile": opts.compile,
+        "reshard_after_forward": opts.reshards,
         # one document per row (and no cp): the trainer uses plain causal SDPA whatever the backend
         "attention": "sdpa-causal" if opts.docs == 1 and dims.cp == 1 else trainer.attention,
         "dtype": str(dtype).removeprefix("torch."),
@@ -253,7 +256,7 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
     from meshrl.models import get_family
     from meshrl.parallel import parallelize
     from meshrl.parallel.dims import ParallelDims, build_meshes
-    from meshrl.runtime.config import OptimConfig
+    from meshrl.runtime.config import OptimConfig, ParallelConfig
     from meshrl.runtime.layout import pick_device
     from meshrl.runtime.train.trainer import Trainer
 
@@ -275,7 +278,9 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
         add_lora(model, family.state_dict_adapter(args), opts.lora_rank, opts.lora_alpha, 0.0,
                  opts.lora_targets.split(","))
     dtype = torch.bfloat16 if cuda else torch.float32
-    parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile)
+    given = {"auto": None, "true": True, "false": False}[opts.reshard_after_forward]
+    opts.reshards = ParallelConfig(reshard_after_forward=given).reshards(world, colocated=False)  # for the result
+    parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile, opts.reshards)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()  # each rank initialises its own shards; random weights are all we need

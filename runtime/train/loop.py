@@ -51,7 +51,9 @@ class TrainerRank:
         p = cfg.trainer.parallel
         self.model, self.args = build_trainer_policy(
             cfg.model, device, lambda m: parallelize(m, layout.trainer_meshes, self.dtype, p.activation_checkpointing,
-                                                     p.ac_every, p.compile), self.tokenizer)
+                                                     p.ac_every, p.compile,
+                                                     p.reshards(cfg.layout.num_trainer_ranks, layout.roles.colocated)),
+            self.tokenizer)
         t = cfg.trainer
         self.trainer = Trainer(self.model, t.optim, device, layout.trainer_group, layout.trainer_meshes, t.attention,
                                t.logprob_chunk_tokens, t.moe_aux_loss_coef, self.dtype)

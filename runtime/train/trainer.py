@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from meshrl.models.common.attention import CausalAttention, make_document_attention
 from meshrl.models.common.moe import moe_aux_loss, pop_moe_stats, record_moe_stats
 from meshrl.parallel.dims import TrainerMeshes
-from meshrl.parallel.parallelize import clip_grad_norm_
+from meshrl.parallel.parallelize import clip_grad_norm_, reshard
 from meshrl.runtime.train import losses
 from meshrl.runtime.config import LossConfig, OptimConfig
 from meshrl.runtime.train.logprob_head import LogprobHead
@@ -294,6 +294,7 @@ class Trainer:
             sums[0] += -torch.where(mask, logprobs, 0.0).sum().double()
             sums[1] += mask.sum()
         pop_moe_stats(self.model)  # an evaluation's routing is not the step's
+        reshard(self.model)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(sums, group=self.group)
         return float(sums[0] / sums[1].clamp(min=1))

@@ -94,3 +94,46 @@ def test_parallel_step_equals_single_process(tmp_path, world_size, family, degre
     if family == "qwen3_moe":
         assert got["stats"]["moe/load_max"] >= 1.0 >= got["stats"]["moe/load_min"] >= 0.0
         assert abs(got["stats"]["moe/aux_loss"] - ref_stats["moe/aux_loss"]) <= 0.05 * ref_stats["moe/aux_loss"]
+
+
+def _steps(trainer, batches, rank_batches):
+    """Step, evaluate, step: the second step must start from the first one's update (the blocks kept
+    gathered between forward and backward are re-gathered after the optimizer step)."""
+    first = trainer.rl_step(rank_batches, count_loss_tokens(batches), LOSS, temperature=0.7)
+    loss = trainer.eval_loss(rank_batches)
+    second = trainer.rl_step(rank_batches, count_loss_tokens(batches), LOSS, temperature=0.7)
+    return first, loss, second
+
+
+def _kept_job(rank, world_size, out):
+    dims = ParallelDims.resolve(world_size)
+    meshes = build_meshes(dims, list(range(world_size)), rank, "cpu")
+    model = parallelize(make_model(), meshes, torch.float32, reshard_after_forward=False)
+    trainer = Trainer(model, OPTIM, torch.device("cpu"), torch.distributed.group.WORLD, meshes)
+    batches = pack(make_samples(), SEQ_LEN, dims.num_data_ranks)
+    result = _steps(trainer, batches, batches[dims.data_rank(rank)])
+    full = {k: v.clone() for k, v in full_tensors(model)}
+    if rank == 0:
+        torch.save({"params": full, "result": result}, out / "kept.pt")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_blocks_kept_gathered_from_forward_to_backward_give_the_single_process_steps(tmp_path, world_size):
+    run_ranks(_kept_job, world_size, tmp_path)
+    got = torch.load(tmp_path / "kept.pt")
+    model = make_model()
+    trainer = Trainer(model, OPTIM, torch.device("cpu"), group=None)
+    batches = pack(make_samples(), SEQ_LEN, 1)
+    ref = _steps(trainer, batches, batches[0])
+    after_one = make_model()  # one reference step only: the kept run must differ from it (two updates)
+    Trainer(after_one, OPTIM, torch.device("cpu"), group=None).rl_step(batches[0], count_loss_tokens(batches), LOSS,
+                                                                       temperature=0.7)
+    one = dict(after_one.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got["params"][name], param.detach(), rtol=1e-5, atol=2e-6, msg=name)
+        assert not torch.allclose(got["params"][name], one[name].detach(), rtol=1e-5, atol=2e-6), name
+    (first, loss, second), (ref_first, ref_loss, ref_second) = got["result"], ref
+    assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    for got_stats, ref_stats in ((first, ref_first), (second, ref_second)):
+        for key in ("loss", "mismatch_kl", "grad_norm"):
+            assert abs(got_stats[key] - ref_stats[key]) <= 1e-5 * max(1.0, abs(ref_stats[key])), key

@@ -92,6 +92,11 @@ def test_the_memory_plan_refuses_a_gpu_too_small_with_the_numbers():
     asleep = memory.plan(validate(RLConfig, {**long, "layout": {"colocate": True},
                                              "inference": {"sleep_while_training": True}}), 24 * memory.GIB)
     assert asleep.peak == big.peak - min(big.kv_cache, big.step_memory)
+    # colocated, blocks are resharded after forward by default; kept gathered, every layer's bf16 weights count
+    kept = memory.plan(validate(RLConfig, {"model": model, "layout": {"colocate": True}, "trainer": {
+        "micro_batch_tokens": 4096, "parallel": {"reshard_after_forward": False}}}), 24 * memory.GIB)
+    layer = plan.gathered // 4  # one layer's bf16 weights and gradients
+    assert kept.gathered == 2 * layer * 28 + 2 * layer and kept.peak == plan.peak + kept.gathered - plan.gathered
     small = validate(RLConfig, {"model": {"flavor": "0.6B", "tokenizer": "char"},
                                 "layout": {"colocate": True, "gpu_memory_gib": 4}})
     with pytest.raises(ValueError, match=r"one GPU cannot hold the trainer and its engine: engine .* GiB .* of 4.00 GiB"):
@@ -167,3 +172,13 @@ def test_a_sleeping_engine_gives_back_its_gpu_memory_and_recaptures_its_graphs()
     engine.wake()
     assert [c.token_ids for c in generate(engine, requests(10))] == before
     assert engine.runner.graphs  # captured again on the new cache
+
+
+def test_blocks_stay_gathered_by_default_only_on_a_one_rank_trainer_that_has_its_gpu_alone():
+    from meshrl.runtime.config import ParallelConfig
+
+    auto = ParallelConfig()
+    assert not auto.reshards(1, colocated=False)
+    assert auto.reshards(2, colocated=False) and auto.reshards(1, colocated=True)
+    assert ParallelConfig(reshard_after_forward=True).reshards(1, colocated=False)
+    assert not ParallelConfig(reshard_after_forward=False).reshards(4, colocated=True)
