@@ -318,8 +318,9 @@ def _profile(trainer, rows: list, tokens: int, cuda: bool, rank: int) -> None:
 # kernel name -> category of `timeline`, first match wins
 _CATEGORIES = (("nccl", re.compile(r"nccl", re.I)),
                ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
-               ("optimizer", re.compile(r"adam|multi_tensor_apply", re.I)),
+               # FSDP2's foreach copies are multi-tensor kernels too: copies first
                ("copy", re.compile(r"memcpy|memset|copy|CatArray|split_with_sizes|chunk_cat", re.I)),
+               ("optimizer", re.compile(r"adam|multi_tensor_apply", re.I)),  # AdamW, the clip's norm and rescale
                ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm100_", re.I)),
                ("compiled", re.compile(r"^triton_")))
 

@@ -152,11 +152,14 @@ def test_trainer_profile_timeline_takes_the_union_of_overlapping_streams():
     events = [_Event(0, 4 * ms, 7, "nvjet_tst_128x256_h_bz_coopA"), _Event(1 * ms, 2 * ms, 20, "ncclDevKernel_AllGather"),
               _Event(3 * ms, 3 * ms, 20, "void at::native::direct_copy_kernel_cuda"),  # overlaps the matmul by 1 ms
               _Event(8 * ms, 1 * ms, 7, "triton_poi_fused_add_mul_0"),
+              _Event(10 * ms, 1 * ms, 7, "void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor>"),
+              _Event(11 * ms, 1 * ms, 7, "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>"),
               _Event(9 * ms, 1 * ms, 7, "void flash_fwd_kernel"), _Event(0, 5 * ms, 0, "aten::mm", torch.autograd.DeviceType.CPU)]
-    row = trainer_bench.timeline(events, wall_s=0.012)
-    assert row["device_busy_ms"] == 8.0 and row["device_idle_ms"] == 4.0 and row["kernels"] == 5  # [0, 6) + [8, 10)
-    assert row["streams_busy_ms"] == {"7": 6.0, "20": 5.0}
-    assert row["by_category_ms"] == {"matmul": 4.0, "copy": 3.0, "nccl": 2.0, "compiled": 1.0, "attention": 1.0}
+    row = trainer_bench.timeline(events, wall_s=0.014)
+    assert row["device_busy_ms"] == 10.0 and row["device_idle_ms"] == 4.0 and row["kernels"] == 7  # [0, 6) + [8, 12)
+    assert row["streams_busy_ms"] == {"7": 8.0, "20": 5.0}
+    assert row["by_category_ms"] == {"matmul": 4.0, "copy": 4.0, "nccl": 2.0, "compiled": 1.0, "attention": 1.0,
+                                     "optimizer": 1.0}
 
 
 def test_matrix_runs_the_hybrid_family_and_counts_its_states(capsys):
