@@ -241,16 +241,18 @@ class ParallelConfig(Base):
     reshard_after_forward: bool | None = None
     """FSDP2: free each block's gathered compute-dtype weights after its forward and gather them again
     in its backward (true), or keep them until its backward (false: one gather a step instead of two,
-    for the model's weights held once more in the compute dtype through the step). None: false on a
-    one-rank trainer mesh outside the colocated layout (nothing is sharded there, and the second gather
-    is only copies: docs/benchmarks.md measures it), true otherwise. The last block is never resharded
-    after forward (backward needs it at once)."""
+    for the model's weights held once more in the compute dtype through the step). None: false for
+    full fine-tuning on a one-rank trainer mesh outside the colocated layout (nothing is sharded there,
+    the second gather is only copies, and the copy costs 2 bytes a parameter beside the 16 of fp32
+    weights, gradients and AdamW: 0.5-1.4% of a 1.7B step on an H200, docs/benchmarks.md), true
+    otherwise (with LoRA the copy would add half of the trainer's state). The last block is never
+    resharded after forward (backward needs it at once)."""
 
-    def reshards(self, num_ranks: int, colocated: bool) -> bool:
+    def reshards(self, num_ranks: int, colocated: bool, lora: bool = False) -> bool:
         """`reshard_after_forward` resolved for `num_ranks` trainer ranks (see its docstring)."""
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
-        return num_ranks > 1 or colocated
+        return num_ranks > 1 or colocated or lora
 
     def dims(self, num_ranks: int):
         """The validated `parallel.dims.ParallelDims` for `num_ranks` trainer ranks."""

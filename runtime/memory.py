@@ -126,7 +126,7 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
                         + (CONTEXT if cfg.inference.backend == "vllm" else 0)),
         trainer_state=state // cfg.layout.num_trainer_ranks,
         staging=2 * params,
-        gathered=(2 * 2 * layer_params if t.parallel.reshards(cfg.layout.num_trainer_ranks, colocated=True)
+        gathered=(2 * 2 * layer_params if t.parallel.reshards(cfg.layout.num_trainer_ranks, True, cfg.model.lora is not None)
                   else 2 * sum(p.numel() for layer in layers for p in layer.parameters()) + 2 * layer_params),
         activations=_ACTIVATION_BYTES_PER_DIM[ac] * dim * tokens * len(layers),
         logprob_head=3 * 4 * chunk * vocab,

@@ -80,7 +80,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac-every", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
     p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "true", "false"],
-                   help="FSDP2 (trainer.parallel.reshard_after_forward); auto: false on one rank, true on more")
+                   help="FSDP2 (trainer.parallel.reshard_after_forward); auto: false on one rank without LoRA, else true")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn", "split"])
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per chunk of the logprob head")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -279,7 +279,7 @@ def _build(opts: argparse.Namespace, cuda: bool, rank: int, world: int):
                  opts.lora_targets.split(","))
     dtype = torch.bfloat16 if cuda else torch.float32
     given = {"auto": None, "true": True, "false": False}[opts.reshard_after_forward]
-    opts.reshards = ParallelConfig(reshard_after_forward=given).reshards(world, colocated=False)  # for the result
+    opts.reshards = ParallelConfig(reshard_after_forward=given).reshards(world, False, opts.lora_rank > 0)
     parallelize(model, meshes, dtype, opts.ac, opts.ac_every, opts.compile, opts.reshards)
     model.to_empty(device=device)
     with torch.no_grad():

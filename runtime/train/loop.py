@@ -49,11 +49,10 @@ class TrainerRank:
         self.tokenizer = load_tokenizer_for(cfg.model)
         self.dtype = compute_dtype(cfg.model, device)  # of the forward pass and of the weights sent to inference
         p = cfg.trainer.parallel
+        reshard = p.reshards(cfg.layout.num_trainer_ranks, layout.roles.colocated, cfg.model.lora is not None)
         self.model, self.args = build_trainer_policy(
             cfg.model, device, lambda m: parallelize(m, layout.trainer_meshes, self.dtype, p.activation_checkpointing,
-                                                     p.ac_every, p.compile,
-                                                     p.reshards(cfg.layout.num_trainer_ranks, layout.roles.colocated)),
-            self.tokenizer)
+                                                     p.ac_every, p.compile, reshard), self.tokenizer)
         t = cfg.trainer
         self.trainer = Trainer(self.model, t.optim, device, layout.trainer_group, layout.trainer_meshes, t.attention,
                                t.logprob_chunk_tokens, t.moe_aux_loss_coef, self.dtype)

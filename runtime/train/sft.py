@@ -65,7 +65,8 @@ class SFTLoop:
         p, t, dtype = cfg.trainer.parallel, cfg.trainer, compute_dtype(cfg.model, device)
         self.model, self.args = build_trainer_policy(
             cfg.model, device, lambda m: parallelize(m, meshes, dtype, p.activation_checkpointing, p.ac_every,
-                                                     p.compile, p.reshards(world, colocated=False)), self.tokenizer)
+                                                     p.compile, p.reshards(world, False, cfg.model.lora is not None)),
+            self.tokenizer)
         self.trainer = Trainer(self.model, t.optim, device, dist.group.WORLD, meshes, t.attention,
                                t.logprob_chunk_tokens, t.moe_aux_loss_coef, dtype)
         self.checkpointer = ckpt.TrainerCheckpointer(self.trainer, meshes, ckpt_group, self.leader, cfg.checkpoint,

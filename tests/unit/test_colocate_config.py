@@ -180,5 +180,6 @@ def test_blocks_stay_gathered_by_default_only_on_a_one_rank_trainer_that_has_its
     auto = ParallelConfig()
     assert not auto.reshards(1, colocated=False)
     assert auto.reshards(2, colocated=False) and auto.reshards(1, colocated=True)
+    assert auto.reshards(1, colocated=False, lora=True)
     assert ParallelConfig(reshard_after_forward=True).reshards(1, colocated=False)
     assert not ParallelConfig(reshard_after_forward=False).reshards(4, colocated=True)
