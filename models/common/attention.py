@@ -424,7 +424,8 @@ class VarlenDocumentAttention:
     `kernel`: "torch" (torch.nn.attention.varlen, torch >= 2.10) or "flash_attn" (the package).
     """
 
-    def __init__(self, doc_ids: Tensor, kernel: Literal["torch", "flash_attn"] = "torch") -> None:
+    def __init__(self, doc_ids: Tensor, kernel: Literal["torch", "flash_attn"] = "torch",
+                 host_doc_ids: Tensor | None = None) -> None:
         if doc_ids.dim() != 2 or doc_ids.shape[0] != 1:
             raise ValueError(f"varlen attention needs one packed row, doc_ids (1, T); got {tuple(doc_ids.shape)}")
         if kernel not in ("torch", "flash_attn"):
@@ -434,7 +435,12 @@ class VarlenDocumentAttention:
         self._seqlens: tuple[Tensor, int] | None = None
         if kernel == "torch" and _torch_varlen_attn() is not None:
             _torch_varlen_params()  # resolved here, outside compiled code (see _VARLEN)
-        if doc_ids.is_cuda:  # here too: its host sync inside the first compiled block would break its graph
+        if host_doc_ids is not None:  # the boundaries from the CPU copy: no host sync
+            if host_doc_ids.shape != doc_ids.shape:
+                raise ValueError(f"host_doc_ids {tuple(host_doc_ids.shape)} vs doc_ids {tuple(doc_ids.shape)}")
+            cu_seqlens, max_len = document_cu_seqlens(host_doc_ids.cpu())
+            self._seqlens = (cu_seqlens.to(doc_ids.device), max_len)
+        elif doc_ids.is_cuda:  # here too: its host sync inside the first compiled block would break its graph
             self.cu_seqlens(doc_ids.device)
 
     def cu_seqlens(self, device: torch.device) -> tuple[Tensor, int]:
@@ -510,11 +516,14 @@ class SplitDocumentAttention:
         return torch.cat(outs, dim=2)
 
 
-def make_document_attention(doc_ids: Tensor, backend: AttentionBackend) -> AttentionContext:
+def make_document_attention(doc_ids: Tensor, backend: AttentionBackend,
+                            host_doc_ids: Tensor | None = None) -> AttentionContext:
     """An attention context for packed rows doc_ids (B, T); see the module docstring for backends.
 
     `doc_ids` must already be on the device the model runs on: that is how the GPU-only
-    backends know they would run on CPU, which they refuse with a ValueError.
+    backends know they would run on CPU, which they refuse with a ValueError. `host_doc_ids`: the
+    same ids on the CPU where the caller has them; the varlen backends then find the document
+    boundaries there, without the three host syncs of doing it on the device.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
@@ -537,4 +546,5 @@ def make_document_attention(doc_ids: Tensor, backend: AttentionBackend) -> Atten
                          f"got {doc_ids.device}; use 'sdpa'")
     if backend == "flex":
         return FlexDocumentAttention(doc_ids)
-    return VarlenDocumentAttention(doc_ids, kernel="torch" if backend == "varlen" else "flash_attn")
+    return VarlenDocumentAttention(doc_ids, kernel="torch" if backend == "varlen" else "flash_attn",
+                                   host_doc_ids=host_doc_ids)

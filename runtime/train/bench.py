@@ -327,13 +327,16 @@ _CATEGORIES = (("nccl", re.compile(r"nccl", re.I)),
 
 def timeline(events, wall_s: float) -> dict:
     """Device time of one profiled step from the profiler's raw events: the busy time (the union of
-    all kernels, memcpys and memsets over every stream), the idle rest of the step's wall time, each
+    all kernels, memcpys and memsets over every stream; the GPU-side copies of record_function ranges
+    are left out), the idle rest of the step's wall time, each
     stream's busy time, and kernel time by category (`_CATEGORIES`; "other" for the rest, e.g. the
     eager element-wise kernels). Categories sum kernel durations: overlapping streams count twice."""
     spans, by_stream, by_category = [], {}, {}
     for e in events:
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
             continue
+        if e.is_user_annotation() or "annotation" in e.activity_type():
+            continue  # a record_function range mirrored on the GPU timeline (spans kernels and gaps), not work
         begin, end = e.start_ns(), e.start_ns() + e.duration_ns()
         spans.append((begin, end))
         stream = int(e.device_resource_id())

@@ -155,6 +155,7 @@ class Trainer:
         # fastest fused kernel (cuDNN / flash), which beats the varlen and flex kernels.
         single_document = self.cp == 1 and int(mb["doc_ids"].max()) == 0
         shared = is_shared(mb)
+        host_doc_ids = mb["doc_ids"] if mb["doc_ids"].device.type == "cpu" else None
         mb = mb.to(self.device)
         if single_document:
             attn = CausalAttention()
@@ -170,7 +171,7 @@ class Trainer:
             mb, local_index = cp_split(full, self.meshes.cp_rank, self.cp)
             attn = ContextParallelAttention(full["doc_ids"], local_index, self.meshes.cp_group)
         else:
-            attn = make_document_attention(mb["doc_ids"], self.attention)
+            attn = make_document_attention(mb["doc_ids"], self.attention, host_doc_ids)
         head = LogprobHead(mb["targets"], temperature, self.logprob_chunk_tokens)
         logprobs, entropy = self.model(mb["input_ids"], mb["position_ids"], attn, head=head)
         record_moe_stats(self.model)  # before backward, which may recompute (checkpointed) blocks

@@ -159,6 +159,16 @@ def test_document_cu_seqlens_rejects_interleaved_and_batches():
         document_cu_seqlens(torch.zeros(2, 4, dtype=torch.long))
 
 
+def test_varlen_takes_the_document_boundaries_from_a_host_copy():
+    doc_ids = packed_doc_ids(LENGTHS)
+    given = VarlenDocumentAttention(doc_ids, host_doc_ids=doc_ids.clone())
+    assert given._seqlens is not None  # found when built, from the host copy (no device sync)
+    cu_seqlens, max_len = given.cu_seqlens(torch.device("cpu"))
+    assert cu_seqlens.tolist() == document_cu_seqlens(doc_ids)[0].tolist() and max_len == 100
+    with pytest.raises(ValueError, match="host_doc_ids"):
+        VarlenDocumentAttention(doc_ids, host_doc_ids=doc_ids[:, :-1])
+
+
 def test_varlen_rejects_fp32():
     q, k, v = random_qkv(B=1, Hq=4, Hkv=2, T=6, D=16, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="bf16 or fp16"):
@@ -284,6 +294,8 @@ def test_flex_rows_of_several_lengths_on_cuda():
 def test_varlen_matches_sdpa_on_cuda(dtype):
     doc_ids = packed_doc_ids(LENGTHS, "cuda")
     check_against_sdpa(VarlenDocumentAttention(doc_ids), doc_ids, dtype, 1, *TOLERANCES[dtype])
+    check_against_sdpa(VarlenDocumentAttention(doc_ids, host_doc_ids=doc_ids.cpu()), doc_ids, dtype, 1,
+                       *TOLERANCES[dtype])
     assert isinstance(make_document_attention(doc_ids, "varlen"), VarlenDocumentAttention)
 
 
