@@ -2,15 +2,17 @@
 
 The engine takes what is fixed: its weights in the inference dtype, its KV cache (a budget, not
 whatever happens to be free: both processes start at once), the recurrent states of a model with
-linear-attention layers (Qwen3.5, Qwen3-Next: one slot per max_num_seqs row) and a reserve for CUDA graphs,
-workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest, which must hold its share of the fp32 parameters, their
-gradients and AdamW's two moments (with LoRA: the frozen fp32 base, and those three for the adapters
-only), the shared weight buffer of the colocated path, one layer's
-gathered bf16 weights (every layer's when trainer.parallel.reshard_after_forward is false) and the activations of one micro-batch. `plan` adds these up from the model
-shape (an estimate for the activations, stated as such), and `check` refuses a budget that cannot
-hold them before any process starts, with the numbers. With inference.sleep_while_training the
-engine frees its KV cache while the trainer steps, so the cache and the step's memory (activations,
-a gathered layer, the logprob head) only have to fit one at a time.
+linear-attention layers (Qwen3.5, Qwen3-Next: one slot per max_num_seqs row) and a reserve for CUDA
+graphs, workspaces and the sampler's (max_num_seqs, vocab) fp32 buffers. The trainer takes the rest,
+which must hold its share of the fp32 parameters, their gradients and AdamW's two moments (with
+LoRA: the frozen fp32 base, and those three for the adapters only), the shared weight buffer of the
+colocated path, one layer's gathered bf16 weights (every layer's when
+trainer.parallel.reshard_after_forward is false) and the activations of one micro-batch. `plan` adds
+these up from the model shape (an estimate for the activations, stated as such), and `check` refuses
+a budget that cannot hold them before any process starts, with the numbers. With
+inference.sleep_while_training the engine frees its KV cache while the trainer steps, so the cache
+and the step's memory (activations, the gathered weights, the logprob head) only have to fit one at a
+time.
 
     KV budget = inference.kv_cache_gib, else inference.gpu_memory_fraction x the GPU's memory
     GPU memory = layout.gpu_memory_gib if set (each process is then capped, `cap_process`), else
@@ -117,6 +119,7 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
     ac = t.parallel.activation_checkpointing
     tokens = t.micro_batch_tokens
     chunk = min(t.logprob_chunk_tokens, tokens)
+    reshards = t.parallel.reshards(cfg.layout.num_trainer_ranks, True, cfg.model.lora is not None)
     return MemoryPlan(
         device=total,
         engine_weights=2 * params,
@@ -126,7 +129,7 @@ def plan(cfg: RLConfig, total: int) -> MemoryPlan:
                         + (CONTEXT if cfg.inference.backend == "vllm" else 0)),
         trainer_state=state // cfg.layout.num_trainer_ranks,
         staging=2 * params,
-        gathered=(2 * 2 * layer_params if t.parallel.reshards(cfg.layout.num_trainer_ranks, True, cfg.model.lora is not None)
+        gathered=(2 * 2 * layer_params if reshards
                   else 2 * sum(p.numel() for layer in layers for p in layer.parameters()) + 2 * layer_params),
         activations=_ACTIVATION_BYTES_PER_DIM[ac] * dim * tokens * len(layers),
         logprob_head=3 * 4 * chunk * vocab,

@@ -80,7 +80,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac-every", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
     p.add_argument("--reshard-after-forward", default="auto", choices=["auto", "true", "false"],
-                   help="FSDP2 (trainer.parallel.reshard_after_forward); auto: false on one rank without LoRA, else true")
+                   help="FSDP2 (trainer.parallel.reshard_after_forward); auto: false on one rank without LoRA, "
+                        "else true")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flex", "varlen", "flash_attn", "split"])
     p.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per chunk of the logprob head")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -328,9 +329,9 @@ _CATEGORIES = (("nccl", re.compile(r"nccl", re.I)),
 def timeline(events, wall_s: float) -> dict:
     """Device time of one profiled step from the profiler's raw events: the busy time (the union of
     all kernels, memcpys and memsets over every stream; the GPU-side copies of record_function ranges
-    are left out), the idle rest of the step's wall time, each
-    stream's busy time, and kernel time by category (`_CATEGORIES`; "other" for the rest, e.g. the
-    eager element-wise kernels). Categories sum kernel durations: overlapping streams count twice."""
+    are left out), the idle rest of the step's wall time, each stream's busy time, and kernel time by
+    category (`_CATEGORIES`; "other" for the rest, e.g. the eager element-wise kernels). Categories
+    sum kernel durations: overlapping streams count twice."""
     spans, by_stream, by_category = [], {}, {}
     for e in events:
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
