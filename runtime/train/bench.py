@@ -333,11 +333,13 @@ def timeline(events, wall_s: float) -> dict:
     category (`_CATEGORIES`; "other" for the rest, e.g. the eager element-wise kernels). Categories
     sum kernel durations: overlapping streams count twice."""
     spans, by_stream, by_category = [], {}, {}
+    cuda = torch.autograd.DeviceType.CUDA
+    # record_function ranges are mirrored on the GPU timeline under their names (spanning kernels
+    # and the gaps between them): not work. torch 2.11's events have no activity_type to tell them.
+    ranges = {e.name() for e in events if e.device_type() != cuda and e.is_user_annotation()}
     for e in events:
-        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+        if e.device_type() != cuda or e.duration_ns() <= 0 or e.is_user_annotation() or e.name() in ranges:
             continue
-        if e.is_user_annotation() or "annotation" in e.activity_type():
-            continue  # a record_function range mirrored on the GPU timeline (spans kernels and gaps), not work
         begin, end = e.start_ns(), e.start_ns() + e.duration_ns()
         spans.append((begin, end))
         stream = int(e.device_resource_id())

@@ -145,7 +145,6 @@ class _Event:  # the part of a profiler's raw event that `timeline` reads
     def device_resource_id(self): return self._v[2]  # noqa: E704
     def name(self): return self._v[3]  # noqa: E704
     def device_type(self): return self._v[4]  # noqa: E704
-    def activity_type(self): return self._v[5]  # noqa: E704
     def is_user_annotation(self): return self._v[5] == "user_annotation"  # noqa: E704
 
 
@@ -157,7 +156,8 @@ def test_trainer_profile_timeline_takes_the_union_of_overlapping_streams():
               _Event(10 * ms, 1 * ms, 7, "void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor>"),
               _Event(11 * ms, 1 * ms, 7, "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>"),
               _Event(9 * ms, 1 * ms, 7, "void flash_fwd_kernel"), _Event(0, 5 * ms, 0, "aten::mm", torch.autograd.DeviceType.CPU),
-              _Event(5 * ms, 7 * ms, 7, "Optimizer.step#AdamW.step", kind="gpu_user_annotation")]  # a range: not work
+              _Event(5 * ms, 1 * ms, 0, "Optimizer.step#AdamW.step", torch.autograd.DeviceType.CPU, "user_annotation"),
+              _Event(5 * ms, 7 * ms, 7, "Optimizer.step#AdamW.step", kind="gpu_user_annotation")]  # its GPU mirror
     row = trainer_bench.timeline(events, wall_s=0.014)
     assert row["device_busy_ms"] == 10.0 and row["device_idle_ms"] == 4.0 and row["kernels"] == 7  # [0, 6) + [8, 12)
     assert row["streams_busy_ms"] == {"7": 8.0, "20": 5.0}
